@@ -1,0 +1,42 @@
+"""funcoll: JAX-style functional collectives for PyTorch.
+
+Pure functions (new tensors out), differentiable with the adjoint as the backward,
+ragged along any dim, and traceable by ``torch.compile(fullgraph=True)``. Built on
+the ``torch.ops._c10d_functional`` ops.
+"""
+
+from ._even import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    ppermute,
+    reduce_scatter,
+)
+from ._group import Group, GroupLike, axis_index, axis_size
+from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, mark_ragged
+from ._region import gather_forward_split_backward, split_forward_gather_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Group",
+    "GroupLike",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_list",
+    "all_gather_ragged",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_v",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "gather",
+    "gather_forward_split_backward",
+    "mark_ragged",
+    "ppermute",
+    "reduce_scatter",
+    "split_forward_gather_backward",
+]

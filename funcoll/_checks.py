@@ -1,0 +1,72 @@
+"""Argument checks shared by every op: one place, one wording.
+
+Every message starts with the op's public name and names the argument in
+backticks, then shows the bad value and what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor
+
+IntLike = Union[int, torch.SymInt]
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def check_tensor(op: str, name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_dim(op: str, x: Tensor, dim: object, name: str = "dim", extra: int = 0) -> int:
+    """Normalise a (possibly negative) tensor dim of `x`; `extra` allows one past the end."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{op}: `{name}` must be an int, got {type(dim).__name__}")
+    ndim = x.dim() + extra
+    if ndim == 0:
+        raise ValueError(f"{op}: `{name}`={dim} needs a tensor with at least one dim, got a 0-d tensor")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{op}: `{name}`={dim} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}"
+        )
+    return dim % ndim
+
+
+def check_reduce_op(op: str, reduce_op: object) -> str:
+    if not isinstance(reduce_op, str) or reduce_op.lower() not in REDUCE_OPS:
+        raise ValueError(f"{op}: `op`={reduce_op!r} is not one of {REDUCE_OPS}")
+    return reduce_op.lower()
+
+
+def check_rank(op: str, name: str, value: object, size: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{op}: `{name}` must be an int rank, got {type(value).__name__}")
+    if not 0 <= value < size:
+        raise ValueError(f"{op}: `{name}`={value} is not a rank of a group of size {size}")
+    return value
+
+
+def tensor_split_sizes(n: IntLike, parts: int) -> list[IntLike]:
+    """Sizes of ``torch.tensor_split(t, parts)`` along a dim of length `n`: first ranks get one more.
+
+    Branch-free (``ceil((n - i) / parts)``), so a SymInt `n` adds no guard.
+    Example: ``tensor_split_sizes(7, 3) == [3, 2, 2]``.
+    """
+    return [(n - i + parts - 1) // parts for i in range(parts)]
+
+
+def is_float(x: Tensor) -> bool:
+    return x.dtype.is_floating_point or x.dtype.is_complex
+
+
+def wire(x: Tensor) -> Tensor:
+    """The tensor as it travels: bool as uint8 (not every backend carries bool)."""
+    return x.view(torch.uint8) if x.dtype == torch.bool else x
+
+
+def unwire(y: Tensor, dtype: torch.dtype) -> Tensor:
+    return y.view(torch.bool) if dtype == torch.bool else y

@@ -1,0 +1,320 @@
+"""Collectives whose shapes agree on every rank: the JAX-style core of funcoll."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _prims
+from ._checks import check_dim, check_rank, check_reduce_op, check_tensor, tensor_split_sizes, unwire, wire
+from ._group import GroupLike, resolve_group
+
+__all__ = [
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "ppermute",
+    "broadcast",
+]
+
+
+def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
+    """``(world, *shape) -> shape`` with ``shape[dim]`` multiplied by world, rank-major."""
+    world = z.shape[0]
+    moved = z.movedim(0, dim)  # (..., world, shape[dim], ...)
+    out_shape = list(z.shape[1:])
+    out_shape[dim] = world * out_shape[dim]
+    return moved.reshape(out_shape)
+
+
+def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool = True) -> Tensor:
+    """Gather `x` from every rank of `group` (JAX ``all_gather``).
+
+    Args:
+        x: this rank's tensor; every rank passes the same shape and dtype (for
+            per-rank sizes along `dim` use :func:`funcoll.gather`).
+        dim: with ``tiled=True`` the dim to concatenate along; with ``tiled=False``
+            where the new rank axis goes (``-1`` puts it last).
+        group: the communicator (see :doc:`groups`).
+        tiled: concatenate (True) or stack a new axis of size world (False).
+
+    Returns:
+        ``tiled=True``: ``x.shape`` with ``shape[dim] * world``, the ranks' tensors in
+        rank order. ``tiled=False``: ``x.shape`` with a new axis of size world at `dim`.
+        A new, contiguous tensor.
+
+    Backward: ``reduce_scatter`` (sum) of the gradient along the same dim: each rank
+    gets the sum over ranks of the gradient slice that came from it.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1, 2]]        rank 1: x = [[3, 4]]
+        all_gather(x)                 # both: [[1, 2], [3, 4]]
+        all_gather(x, dim=1)          # both: [[1, 2, 3, 4]]
+        all_gather(x, tiled=False)    # both: [[[1, 2]], [[3, 4]]], shape (2, 1, 2)
+    """
+    op = "funcoll.all_gather"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim, extra=0 if tiled else 1)
+    g = resolve_group(op, group)
+    if g.is_single:
+        return x.clone() if tiled else x.unsqueeze(d).clone()
+    gathered = unwire(_prims.all_gather0(wire(x), g.name, g.size), x.dtype)
+    stacked = gathered.view(g.size, *x.shape)
+    if not tiled:
+        return stacked.movedim(0, d).contiguous()
+    return gathered if d == 0 else _merge_rank_axis(stacked, d)
+
+
+def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
+    """The functional form of ``torch.distributed.all_gather_into_tensor``.
+
+    Args:
+        x: this rank's tensor, the same shape and dtype on every rank.
+        group: the communicator.
+
+    Returns:
+        A new tensor of shape ``(world, *x.shape)``: row i is rank i's `x`
+        (``all_gather(x, tiled=False)``).
+
+    Backward: ``reduce_scatter`` (sum): rank i gets the sum over ranks of row i of
+    the gradient.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 0.]        rank 1: x = [1., 1.]
+        all_gather_into_tensor(x)     # both: [[0., 0.], [1., 1.]]
+    """
+    return all_gather(x, 0, group=group, tiled=False)
+
+
+def reduce_scatter(
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: GroupLike = None,
+    op: str = "sum",
+    tiled: bool = True,
+    sizes: Sequence[int] | Tensor | None = None,
+) -> Tensor:
+    """Reduce `x` over ranks and keep this rank's slice of `dim` (JAX ``psum_scatter``).
+
+    Args:
+        x: the same shape and dtype on every rank.
+        dim: the dim to scatter.
+        group: the communicator.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"`` (avg is computed
+            as sum / world, so it works on every backend; floating dtypes only).
+        tiled: with True `dim` is split into world equal slices and rank i keeps
+            slice i; with False ``x.shape[dim]`` must equal world and that dim is removed.
+        sizes: per-rank slice lengths along `dim` (world ints summing to
+            ``x.shape[dim]``) for a ragged reduce-scatter: rank i receives the reduced
+            rows ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. None means equal
+            slices, and then ``x.shape[dim]`` must divide by world.
+
+    Returns:
+        A new tensor: ``x.shape`` with ``shape[dim]`` divided by world (or
+        ``sizes[rank]``), or without `dim` when ``tiled=False``.
+
+    Backward (``sum``): ``all_gather`` of the gradient along `dim` (ragged when
+    `sizes` is given); ``avg`` divides that by world; the other ops have no gradient.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1, 2, 3, 4]    rank 1: x = [10, 20, 30, 40]
+        reduce_scatter(x)             # rank 0: [11, 22]      rank 1: [33, 44]
+        reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
+    """
+    name = "funcoll.reduce_scatter"
+    check_tensor(name, "x", x)
+    d = check_dim(name, x, dim)
+    rop = check_reduce_op(name, op)
+    if rop == "avg" and not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    g = resolve_group(name, group)
+    if sizes is not None:
+        if not tiled:
+            raise ValueError(f"{name}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
+        from ._ragged import reduce_scatter_v
+
+        return reduce_scatter_v(name, x, d, sizes, rop, g)
+    if not tiled and x.shape[d] != g.size:
+        raise ValueError(
+            f"{name}: tiled=False needs x.shape[{d}] == world ({g.size}), got shape {tuple(x.shape)}"
+        )
+    if x.shape[d] % g.size != 0:
+        raise ValueError(
+            f"{name}: x.shape[{d}]={x.shape[d]} does not divide by the group size {g.size}; "
+            f"pass `sizes` for a ragged reduce-scatter"
+        )
+    if g.is_single:
+        y = x.clone()
+    else:
+        xm = wire(x).movedim(d, 0)
+        y = unwire(_prims.reduce_scatter0(xm, rop, g.name, g.size), x.dtype).movedim(0, d)
+        y = y.contiguous()
+    return y.squeeze(d) if not tiled else y
+
+
+def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor:
+    """Reduce `x` over the ranks of `group`; every rank gets the result (JAX ``psum``).
+
+    Args:
+        x: the same shape and dtype on every rank.
+        group: the communicator.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``.
+
+    Returns:
+        A new tensor of ``x.shape``.
+
+    Backward (``sum``): ``all_reduce`` (sum) of the gradient, JAX's convention: the
+    gradient of a replicated loss summed over ranks. ``avg`` divides by world; the
+    other ops have no gradient. Megatron's pair (identity forward / all_reduce
+    backward and the reverse) is what the region ops give: see :doc:`ops`.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 2.]        rank 1: x = [3., 4.]
+        all_reduce(x)                 # both: [4., 6.]
+        all_reduce(x, op="max")       # both: [3., 4.]
+    """
+    name = "funcoll.all_reduce"
+    check_tensor(name, "x", x)
+    rop = check_reduce_op(name, op)
+    if rop == "avg" and not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    g = resolve_group(name, group)
+    if g.is_single:
+        return x.clone()
+    return unwire(_prims.all_reduce(wire(x), rop, g.name, g.size), x.dtype)
+
+
+def all_to_all(
+    x: Tensor, group: GroupLike = None, scatter_dim: int = 2, gather_dim: int = 1
+) -> Tensor:
+    """Split `x` along `scatter_dim`, send piece i to rank i, concatenate what arrives along `gather_dim`.
+
+    Argument order and defaults follow OpenSora's ``all_to_all`` (sequence-parallel
+    attention: ``(B, S/w, H, D) -> (B, S, H/w, D)``).
+
+    Args:
+        x: the same shape and dtype on every rank.
+        group: the communicator.
+        scatter_dim: the dim split into world pieces with ``torch.tensor_split``
+            semantics: when it does not divide, the first ``n % world`` ranks get one
+            more.
+        gather_dim: the dim the received pieces are concatenated along, in rank order.
+
+    Returns:
+        A new tensor: ``x.shape`` with ``shape[scatter_dim]`` replaced by this rank's
+        piece length and ``shape[gather_dim]`` multiplied by world.
+
+    Backward: ``all_to_all`` of the gradient with the two dims swapped: pieces of
+    `gather_dim` go back to the rank they came from and are concatenated along
+    `scatter_dim`.
+
+    Example (2 ranks, scatter_dim=1, gather_dim=0)::
+
+        # rank 0: x = [[1, 2]]        rank 1: x = [[3, 4]]
+        all_to_all(x, None, 1, 0)     # rank 0: [[1], [3]]    rank 1: [[2], [4]]
+    """
+    name = "funcoll.all_to_all"
+    check_tensor(name, "x", x)
+    s = check_dim(name, x, scatter_dim, "scatter_dim")
+    gd = check_dim(name, x, gather_dim, "gather_dim")
+    g = resolve_group(name, group)
+    if g.is_single:
+        return x.clone()
+    pieces = tensor_split_sizes(x.shape[s], g.size)
+    mine = pieces[g.rank]
+    xm = wire(x).movedim(s, 0)  # (S, *R)
+    z = _prims.all_to_all_rows(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
+    z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
+    return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
+
+
+def _check_perm(name: str, perm: object, size: int) -> list[tuple[int, int]]:
+    if not isinstance(perm, (list, tuple)):
+        raise TypeError(f"{name}: `perm` must be a list of (src, dst) pairs, got {type(perm).__name__}")
+    pairs = []
+    for p in perm:
+        if not isinstance(p, (list, tuple)) or len(p) != 2:
+            raise ValueError(f"{name}: `perm` entries must be (src, dst) pairs, got {p!r}")
+        pairs.append((check_rank(name, "perm", p[0], size), check_rank(name, "perm", p[1], size)))
+    srcs, dsts = [p[0] for p in pairs], [p[1] for p in pairs]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"{name}: `perm`={perm!r} sends from or to some rank twice")
+    return pairs
+
+
+def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = None) -> Tensor:
+    """Send `x` along the (src, dst) pairs of `perm` (JAX ``ppermute``).
+
+    Args:
+        x: the same shape and dtype on every rank.
+        perm: (src, dst) rank pairs; no rank appears twice as a source or twice as a
+            destination. A ring shift on world w is ``[(i, (i + 1) % w) for i in range(w)]``.
+        group: the communicator.
+
+    Returns:
+        A new tensor of ``x.shape``: what rank ``src`` sent, where ``(src, rank)`` is in
+        `perm`; zeros on ranks that receive nothing.
+
+    Backward: ``ppermute`` of the gradient with the inverse permutation (every pair
+    reversed); ranks that sent nothing get a zero gradient.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 1.]        rank 1: x = [2., 2.]
+        ppermute(x, [(0, 1)])         # rank 0: [0., 0.]      rank 1: [1., 1.]
+        ppermute(x, [(0, 1), (1, 0)]) # rank 0: [2., 2.]      rank 1: [1., 1.]
+    """
+    name = "funcoll.ppermute"
+    check_tensor(name, "x", x)
+    g = resolve_group(name, group)
+    pairs = _check_perm(name, perm, g.size)
+    if g.is_single:
+        return x.clone() if pairs else torch.zeros_like(x)
+    dst = {s: d for s, d in pairs}.get(g.rank)
+    src = {d: s for s, d in pairs}.get(g.rank)
+    flat = wire(x).reshape(-1)
+    n = flat.shape[0]
+    send = [n if j == dst else 0 for j in range(g.size)]
+    recv = [n if i == src else 0 for i in range(g.size)]
+    got = _prims.all_to_all_rows(flat, recv, send, g.name)
+    if src is None:
+        # Keep the (empty) result in the graph so this rank still joins the backward.
+        got = torch.cat([got, flat.new_zeros(n)])
+    return unwire(got.view(x.shape), x.dtype)
+
+
+def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
+    """Every rank gets rank `src`'s `x`.
+
+    Args:
+        x: the same shape and dtype on every rank; only rank `src`'s values are used.
+        src: the rank (in `group`) whose tensor is sent.
+        group: the communicator.
+
+    Returns:
+        A new tensor of ``x.shape`` holding `src`'s values.
+
+    Backward: the gradients of all ranks are summed onto `src`; the other ranks'
+    inputs get zeros (their values were never used).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 2.]        rank 1: x = [0., 0.]
+        broadcast(x, src=0)           # both: [1., 2.]
+    """
+    name = "funcoll.broadcast"
+    check_tensor(name, "x", x)
+    g = resolve_group(name, group)
+    check_rank(name, "src", src, g.size)
+    if g.is_single:
+        return x.clone()
+    return unwire(_prims.broadcast(wire(x), src, g.name, g.size, g.rank), x.dtype)

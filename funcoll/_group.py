@@ -1,0 +1,125 @@
+"""One canonicaliser for the `group=` argument of every funcoll op.
+
+A group can be given as ``None`` (the default group), a ``ProcessGroup``, a 1-D
+``DeviceMesh``, a ``(DeviceMesh, mesh_dim)`` pair with the mesh dim as an int or a
+name, or a c10d group name string. Every op turns it into a :class:`Group`, which
+carries the three facts the ops need: the c10d group name (what the
+``_c10d_functional`` ops take), the group size and this process's rank in it.
+
+When ``torch.distributed`` is not initialized, or the group has one rank, ops see
+``Group.single()`` and compute the single-rank result locally without
+communicating.
+
+Everything here reads Python-level facts about process groups, which dynamo
+treats as constants, so resolving a group inside a compiled region adds no graph
+break and no guard on tensor data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Group", "GroupLike", "resolve_group", "axis_index", "axis_size"]
+
+GroupLike = Union[None, dist.ProcessGroup, DeviceMesh, tuple[DeviceMesh, Union[int, str]], str]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A resolved communicator: c10d group name, size and this process's rank."""
+
+    name: str
+    size: int
+    rank: int
+
+    @staticmethod
+    def single() -> Group:
+        return Group(name="", size=1, rank=0)
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+
+def _from_process_group(pg: dist.ProcessGroup) -> Group:
+    return Group(name=pg.group_name, size=pg.size(), rank=pg.rank())
+
+
+def _mesh_group(op: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> dist.ProcessGroup:
+    if mesh_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{op}: `group` is a {mesh.ndim}-D DeviceMesh; pass `(mesh, mesh_dim)` to pick "
+                f"the mesh dim to communicate over (mesh dims: {mesh.mesh_dim_names})"
+            )
+        return mesh.get_group()
+    if isinstance(mesh_dim, str):
+        names = mesh.mesh_dim_names or ()
+        if mesh_dim not in names:
+            raise ValueError(f"{op}: `group` names mesh dim {mesh_dim!r}, which is not one of {names}")
+        return mesh.get_group(mesh_dim)
+    if not isinstance(mesh_dim, int) or isinstance(mesh_dim, bool):
+        raise TypeError(
+            f"{op}: `group` as (DeviceMesh, mesh_dim) needs an int or str mesh_dim, got "
+            f"{type(mesh_dim).__name__}"
+        )
+    if not -mesh.ndim <= mesh_dim < mesh.ndim:
+        raise ValueError(f"{op}: `group` mesh_dim={mesh_dim} is out of range for a {mesh.ndim}-D mesh")
+    return mesh.get_group(mesh_dim % mesh.ndim)
+
+
+def resolve_group(op: str, group: GroupLike) -> Group:
+    """Canonicalise `group` for op `op` (the op's name is used in error messages)."""
+    if isinstance(group, DeviceMesh):
+        return _from_process_group(_mesh_group(op, group, None))
+    if isinstance(group, tuple):
+        if len(group) != 2 or not isinstance(group[0], DeviceMesh):
+            raise TypeError(f"{op}: `group` as a tuple must be (DeviceMesh, mesh_dim), got {group!r}")
+        return _from_process_group(_mesh_group(op, group[0], group[1]))
+    if not dist.is_available() or not dist.is_initialized():
+        if group is None:
+            return Group.single()
+        raise ValueError(
+            f"{op}: `group`={group!r} was given but torch.distributed is not initialized"
+        )
+    if group is None:
+        return _from_process_group(dist.group.WORLD)
+    if isinstance(group, dist.ProcessGroup):
+        return _from_process_group(group)
+    if isinstance(group, str):
+        try:
+            pg = dist.distributed_c10d._resolve_process_group(group)
+        except Exception as e:  # c10d raises RuntimeError/ValueError by version
+            raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group") from e
+        return _from_process_group(pg)
+    raise TypeError(
+        f"{op}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
+        f"group name, got {type(group).__name__}"
+    )
+
+
+def axis_index(group: GroupLike = None) -> int:
+    """This process's index along the axis that `group` spans (JAX ``axis_index``).
+
+    Returns a Python int: a rank is fixed for the life of a process, so inside a
+    compiled region it is a constant of the graph, not a tensor. Without an
+    initialized process group it is 0.
+
+    Example: on 2 ranks, ``axis_index()`` is 0 on rank 0 and 1 on rank 1.
+    """
+    return resolve_group("funcoll.axis_index", group).rank
+
+
+def axis_size(group: GroupLike = None) -> int:
+    """The number of processes along the axis that `group` spans (JAX ``axis_size``).
+
+    A Python int, constant inside compiled regions; 1 without an initialized process
+    group.
+
+    Example: on 2 ranks, ``axis_size()`` is 2 on both.
+    """
+    return resolve_group("funcoll.axis_size", group).size

@@ -1,0 +1,254 @@
+"""The differentiable primitives: each an autograd.Function around ``_c10d_functional`` ops.
+
+Every public op is a composition of differentiable aten ops (narrow, cat, movedim,
+pad) and the primitives below, so its backward is assembled by autograd from the
+primitives' adjoints:
+
+===================  ==================================================
+primitive            backward (its adjoint)
+===================  ==================================================
+``all_gather0``      ``reduce_scatter0`` (sum) of the gradient
+``reduce_scatter0``  ``all_gather0`` of the gradient (sum; avg divides)
+``all_reduce``       ``all_reduce`` (sum) of the gradient (JAX ``psum``)
+``all_to_all_rows``  ``all_to_all_rows`` with send and receive splits swapped
+``broadcast``        sum of the gradients onto ``src``, zeros elsewhere
+``all_gather_v``     ``reduce_scatter_v`` of the gradient
+``reduce_scatter_v`` ``all_gather_v`` of the gradient
+===================  ==================================================
+
+All of them work on dim 0 of contiguous tensors; the public ops move the user's
+dim to the front and back. The forward of each runs with grad disabled, so only
+funcoll's own backward is ever used, whatever autograd the installed torch
+registers on the ``_c10d_functional`` ops. Nothing here stores a ProcessGroup on
+a ctx: only the group name, size and rank, which are plain Python values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+_F = torch.ops._c10d_functional
+
+IntLike = Union[int, torch.SymInt]
+
+
+def _wait(t: Tensor) -> Tensor:
+    return _F.wait_tensor(t)
+
+
+def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
+    # Dynamo (2.13) fails with "Argument ... does not belong to this Graph" when a
+    # SymInt that is a graph input is stored on an autograd ctx as is; `s + 0` is a
+    # fresh SymInt of the same value that it handles. Plain ints pass through.
+    return [s + 0 if isinstance(s, torch.SymInt) else int(s) for s in sizes]
+
+
+# --------------------------------------------------------------------------- all_gather0
+def _all_gather0_impl(x: Tensor, name: str, size: int) -> Tensor:
+    return _wait(_F.all_gather_into_tensor(x.contiguous(), size, name))
+
+
+class _AllGather0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, name: str, size: int) -> Tensor:
+        ctx.name, ctx.size = name, size
+        return _all_gather0_impl(x, name, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return reduce_scatter0(grad, "sum", ctx.name, ctx.size), None, None
+
+
+def all_gather0(x: Tensor, name: str, size: int) -> Tensor:
+    """Concatenate every rank's `x` along dim 0: ``(n, *R) -> (size * n, *R)``."""
+    return _AllGather0.apply(x, name, size)
+
+
+# ----------------------------------------------------------------------- reduce_scatter0
+def _reduce_scatter0_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
+    wire_op = "sum" if op == "avg" else op  # not every backend has avg; sum / size is the same
+    y = _wait(_F.reduce_scatter_tensor(x.contiguous(), wire_op, size, name))
+    return y / size if op == "avg" else y
+
+
+class _ReduceScatter0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, op: str, name: str, size: int) -> Tensor:
+        ctx.op, ctx.name, ctx.size = op, name, size
+        return _reduce_scatter0_impl(x, op, name, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = all_gather0(grad, ctx.name, ctx.size)
+        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None
+
+
+def reduce_scatter0(x: Tensor, op: str, name: str, size: int) -> Tensor:
+    """Reduce over ranks, keep this rank's 1/size of dim 0: ``(size * n, *R) -> (n, *R)``."""
+    return _ReduceScatter0.apply(x, op, name, size)
+
+
+def _scale_for_op(opname: str, op: str, g: Tensor, size: int) -> Tensor:
+    if op == "sum":
+        return g
+    if op == "avg":
+        return g / size
+    raise NotImplementedError(
+        f"funcoll.{opname}: no gradient for op={op!r}; only 'sum' and 'avg' are differentiable"
+    )
+
+
+# ---------------------------------------------------------------------------- all_reduce
+def _all_reduce_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
+    wire_op = "sum" if op == "avg" else op
+    y = _wait(_F.all_reduce(x.contiguous(), wire_op, name))
+    return y / size if op == "avg" else y
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, op: str, name: str, size: int) -> Tensor:
+        ctx.op, ctx.name, ctx.size = op, name, size
+        return _all_reduce_impl(x, op, name, size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = all_reduce(grad, "sum", ctx.name, ctx.size)
+        return _scale_for_op("all_reduce", ctx.op, g, ctx.size), None, None, None
+
+
+def all_reduce(x: Tensor, op: str, name: str, size: int) -> Tensor:
+    return _AllReduce.apply(x, op, name, size)
+
+
+# ----------------------------------------------------------------------- all_to_all_rows
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], name: str
+    ) -> Tensor:
+        ctx.recv, ctx.send, ctx.name = _ctx_ints(recv), _ctx_ints(send), name
+        return _wait(_F.all_to_all_single(x.contiguous(), recv, send, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return all_to_all_rows(grad, ctx.send, ctx.recv, ctx.name), None, None, None
+
+
+def all_to_all_rows(
+    x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], name: str
+) -> Tensor:
+    """Send ``send[j]`` rows of `x` (in order) to rank j; receive ``recv[i]`` rows from rank i."""
+    return _AllToAllRows.apply(x, list(recv), list(send), name)
+
+
+# ----------------------------------------------------------------------------- broadcast
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
+        ctx.src, ctx.name, ctx.size, ctx.rank = src, name, size, rank
+        return _wait(_F.broadcast(x.contiguous(), src, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        total = all_reduce(grad, "sum", ctx.name, ctx.size)
+        g = total if ctx.rank == ctx.src else torch.zeros_like(total)
+        return g, None, None, None, None
+
+
+def broadcast(x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
+    return _Broadcast.apply(x, src, name, size, rank)
+
+
+# ------------------------------------------------------------------ ragged gather/scatter
+def _all_gather_v_impl(
+    x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
+) -> Tensor:
+    """Ragged all-gather along dim 0 without padding.
+
+    The first `common` rows of every rank (``common <= min(sizes)``) travel in one
+    all_gather; the rest of rank i's rows in one broadcast from rank i. Every rank
+    issues the same collectives whatever the sizes (one all_gather and `size`
+    broadcasts), so the sequence never depends on data.
+    """
+    block = _wait(_F.all_gather_into_tensor(x.narrow(0, 0, common).contiguous(), size, name))
+    rest = []
+    for i, n_i in enumerate(sizes):
+        extra = n_i - common
+        src = x.narrow(0, common, extra) if i == rank else x.new_empty((extra, *x.shape[1:]))
+        rest.append(_wait(_F.broadcast(src.contiguous(), i, name)))
+    if not torch.compiler.is_compiling() and all(r.shape[0] == 0 for r in rest):
+        return block  # eager, every row came in the all_gather: it already is the result
+    pieces = []
+    for i in range(size):
+        pieces.append(block.narrow(0, i * common, common))
+        pieces.append(rest[i])
+    return torch.cat(pieces, 0)
+
+
+def _reduce_scatter_v_impl(
+    x: Tensor, sizes: list[IntLike], op: str, name: str, size: int, rank: int
+) -> Tensor:
+    """Ragged reduce-scatter along dim 0: rank i gets the reduction of rows [off_i, off_i + sizes[i]).
+
+    One all_to_all_single moves exactly those rows to their owner (no padding), who
+    reduces the `size` pieces locally.
+    """
+    mine = sizes[rank]
+    got = _wait(_F.all_to_all_single(x.contiguous(), [mine] * size, list(sizes), name))
+    stacked = got.view(size, mine, *x.shape[1:])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.sum(0) / size
+    if op == "max":
+        return stacked.amax(0)
+    if op == "min":
+        return stacked.amin(0)
+    return stacked.prod(0)
+
+
+class _AllGatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
+    ) -> Tensor:
+        ctx.sizes, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), name, size, rank
+        return _all_gather_v_impl(x, sizes, common, name, size, rank)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = reduce_scatter_v(grad, ctx.sizes, "sum", ctx.name, ctx.size, ctx.rank)
+        return g, None, None, None, None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, sizes: list[IntLike], op: str, name: str, size: int, rank: int
+    ) -> Tensor:
+        ctx.sizes, ctx.op, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), op, name, size, rank
+        return _reduce_scatter_v_impl(x, sizes, op, name, size, rank)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = all_gather_v(grad, ctx.sizes, 0, ctx.name, ctx.size, ctx.rank)
+        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None, None, None
+
+
+def all_gather_v(
+    x: Tensor, sizes: Sequence[IntLike], common: IntLike, name: str, size: int, rank: int
+) -> Tensor:
+    """Ragged all-gather along dim 0: ``(sizes[rank], *R) -> (sum(sizes), *R)``."""
+    return _AllGatherV.apply(x, list(sizes), common, name, size, rank)
+
+
+def reduce_scatter_v(
+    x: Tensor, sizes: Sequence[IntLike], op: str, name: str, size: int, rank: int
+) -> Tensor:
+    """Ragged reduce-scatter along dim 0: ``(sum(sizes), *R) -> (sizes[rank], *R)``."""
+    return _ReduceScatterV.apply(x, list(sizes), op, name, size, rank)

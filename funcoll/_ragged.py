@@ -1,0 +1,364 @@
+"""Ragged collectives: every rank may hold a different length along one dim.
+
+The ragged data model: along `dim`, rank i holds ``sizes[i]`` rows (any ``>= 0``);
+every other dim, the dtype and the ndim agree on all ranks. The global tensor is
+the concatenation of the ranks' tensors along `dim` in rank order, so rank i's rows
+sit at ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. funcoll exchanges
+`sizes` itself (one small all_gather that also checks the ranks agree, see
+``_header.py``); nothing is padded on the wire unless ``strategy="pad"`` asks for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _prims
+from ._checks import check_dim, check_rank, check_reduce_op, check_tensor, unwire, wire
+from ._group import Group, GroupLike, resolve_group
+from ._header import exchange
+
+__all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "mark_ragged"]
+
+STRATEGIES = ("auto", "pad", "bcast")
+IntLike = _prims.IntLike
+
+
+def _check_strategy(op: str, strategy: object) -> int:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{op}: `strategy`={strategy!r} is not one of {STRATEGIES}")
+    return STRATEGIES.index(strategy)  # type: ignore[arg-type]
+
+
+def _sym_min(sizes: Sequence[IntLike]) -> IntLike:
+    return functools.reduce(torch.sym_min, sizes)
+
+
+def _sym_max(sizes: Sequence[IntLike]) -> IntLike:
+    return functools.reduce(torch.sym_max, sizes)
+
+
+def _all_equal(sizes: Sequence[IntLike]) -> bool:
+    # Only ever True in eager mode, where sizes are ints; in a compiled graph they
+    # are unbacked SymInts and the general path runs. Either way the collectives
+    # issued are the same: only local copies are skipped.
+    return not torch.compiler.is_compiling() and len(set(sizes)) == 1
+
+
+def _gather_rows(xm: Tensor, sizes: list[IntLike], strategy: str, g: Group) -> Tensor:
+    """Ragged all-gather of dim 0 of `xm` (``sizes[g.rank]`` rows) with the given strategy."""
+    torch._check(xm.shape[0] == sizes[g.rank])
+    if strategy == "pad":
+        longest = _sym_max(sizes)
+        if _all_equal(sizes):  # nothing to pad and nothing to cut
+            return _prims.all_gather0(xm, g.name, g.size)
+        for n in sizes:
+            torch._check(longest - n >= 0)
+        padded = torch.cat([xm, xm.new_zeros((longest - xm.shape[0], *xm.shape[1:]))])
+        blocks = _prims.all_gather0(padded, g.name, g.size)
+        return torch.cat([blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)])
+    common = 0 if strategy == "bcast" else _sym_min(sizes)
+    for n in sizes:
+        torch._check(n - common >= 0)
+    return _prims.all_gather_v(xm, sizes, common, g.name, g.size, g.rank)
+
+
+def ragged_all_gather(
+    opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto"
+) -> tuple[Tensor, list[IntLike], Tensor]:
+    """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
+    table, sizes = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)))
+    y = _gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g)
+    y = unwire(y, x.dtype)
+    return (y if dim == 0 else y.movedim(0, dim).contiguous()), sizes, table
+
+
+def gather(
+    x: Tensor,
+    dim: int = 0,
+    dst: int | None = None,
+    *,
+    group: GroupLike = None,
+    strategy: str = "auto",
+) -> Tensor | None:
+    """Concatenate every rank's `x` along `dim`, where each rank may hold a different length.
+
+    Ragged data model: rank i holds ``sizes[i]`` rows along `dim` (0 allowed); all
+    other dims, the dtype and the ndim agree on every rank, or every rank raises a
+    ``ValueError`` naming the ranks and their shapes. funcoll exchanges the sizes.
+
+    Args:
+        x: this rank's tensor, of shape ``(..., sizes[rank], ...)`` with the ragged
+            length at `dim`.
+        dim: the ragged dim (negative counts from the end).
+        dst: None: every rank gets the result. A rank k: only rank k does; the data
+            goes to k alone, and the other ranks get None.
+        group: the communicator.
+        strategy: how the rows travel when ``dst`` is None:
+            ``"auto"`` (default) sends the rows every rank has (the first
+            ``min(sizes)``) in one all_gather and the rest of rank i's rows in a
+            broadcast from rank i: no padding, one all_gather when sizes are equal;
+            ``"pad"`` pads to ``max(sizes)``, all_gathers and cuts the padding off
+            (no copies when sizes are equal); ``"bcast"`` sends everything by
+            broadcasts. Each issues the same collectives whatever the sizes, in
+            eager and compiled code alike.
+
+    Returns:
+        ``x.shape`` with ``shape[dim] = sum(sizes)``, ranks in order (a new tensor),
+        or None on ranks other than `dst`.
+
+    Backward (``dst=None``): a ragged ``reduce_scatter`` (sum) of the gradient: rank
+    i gets the sum over ranks of rows ``[off_i, off_i + sizes[i])``. With a `dst`
+    the ranks other than `dst` get None and so could never join the backward
+    scatter; an `x` that requires grad is refused (on every rank) with a ValueError.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
+        gather(x)            # both: [[1, 2], [3, 4], [5, 6]]
+        gather(x, dst=1)     # rank 0: None   rank 1: [[1, 2], [3, 4], [5, 6]]
+        # rank 0: x = [[1], [2]]         rank 1: x = [[3, 4]]... is refused: dim 1 differs
+    """
+    op = "funcoll.gather"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    strat = _check_strategy(op, strategy)
+    g = resolve_group(op, group)
+    if dst is not None:
+        check_rank(op, "dst", dst, g.size)
+    if g.is_single:
+        return x.clone()
+    if dst is None:
+        return ragged_all_gather("gather", x, d, g, strategy)[0]
+    _, sizes = exchange("gather", x, d, g, args=(dst, strat))
+    if x.requires_grad and torch.is_grad_enabled():  # the same on every rank: the header checked it
+        raise ValueError(
+            f"{op}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
+            f"never join the backward scatter. Use dst=None, or pass x.detach()"
+        )
+    xm = wire(x).movedim(d, 0)
+    n = sizes[g.rank]
+    torch._check(xm.shape[0] == n)
+    send = [n if j == dst else 0 for j in range(g.size)]
+    recv = list(sizes) if g.rank == dst else [0] * g.size
+    got = _prims.all_to_all_rows(xm, recv, send, g.name)
+    if g.rank != dst:
+        return None
+    got = unwire(got, x.dtype)
+    return got if d == 0 else got.movedim(0, d).contiguous()
+
+
+def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list[Tensor]:
+    """Gather every rank's `x` (ragged along `dim`) as a list with one tensor per rank.
+
+    Args:
+        x: this rank's tensor; the ragged data model of :func:`gather`.
+        dim: the ragged dim.
+        group: the communicator.
+
+    Returns:
+        ``[x_0, x_1, ...]``: rank i's tensor at index i, as views into one gathered
+        buffer (the form of the widely copied ``all_gather_nd`` recipe).
+
+    Backward: a ragged ``reduce_scatter`` (sum): rank i gets the sum over ranks of
+    the gradients of element i.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1.5, 2.3]      rank 1: x = [5.3]
+        all_gather_list(x)            # both: [tensor([1.5, 2.3]), tensor([5.3])]
+    """
+    op = "funcoll.all_gather_list"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    g = resolve_group(op, group)
+    if g.is_single:
+        return [x.clone()]
+    y, sizes, _ = ragged_all_gather("all_gather_list", x, d, g)
+    return list(torch.split(y, sizes, d))
+
+
+def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tuple[Tensor, Tensor]:
+    """Gather every rank's `x` (ragged along `dim`) and the per-rank sizes.
+
+    Args:
+        x: this rank's tensor; the ragged data model of :func:`gather`.
+        dim: the ragged dim.
+        group: the communicator.
+
+    Returns:
+        ``(y, sizes)``: `y` is the concatenation along `dim` in rank order, `sizes` an
+        int64 tensor of shape ``(world,)`` on ``x.device`` with each rank's length;
+        ``sizes.cumsum(0)`` gives the offsets.
+
+    Backward: a ragged ``reduce_scatter`` (sum) of the gradient of `y`.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
+        all_gather_ragged(x)   # both: ([[1, 2], [3, 4], [5, 6]], tensor([2, 1]))
+    """
+    op = "funcoll.all_gather_ragged"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    g = resolve_group(op, group)
+    if g.is_single:
+        return x.clone(), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
+    y, _, table = ragged_all_gather("all_gather_ragged", x, d, g)
+    from ._header import SIZE
+
+    return y, table[:, SIZE].clone()
+
+
+def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -> list[int]:
+    if isinstance(sizes, Tensor):
+        if sizes.dim() != 1 or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
+            raise ValueError(f"{op}: `{name}` must be a 1-d integer tensor, got {sizes.dtype} {tuple(sizes.shape)}")
+        sizes = sizes.tolist()  # device-to-host sync: the sizes shape the output
+    elif not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"{op}: `{name}` must be a list of ints or an int tensor, got {type(sizes).__name__}")
+    if len(sizes) != world or any(isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) for s in sizes):
+        raise ValueError(f"{op}: `{name}`={list(sizes)!r} must be {world} ints, one per rank")
+    if any(isinstance(s, int) and s < 0 for s in sizes):
+        raise ValueError(f"{op}: `{name}`={list(sizes)!r} has a negative size")
+    return list(sizes)
+
+
+def reduce_scatter_v(
+    op: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor, rop: str, g: Group
+) -> Tensor:
+    """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument)."""
+    sz = _host_sizes(op, "sizes", sizes, g.size)
+    total = sum(sz)
+    if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
+        raise ValueError(f"{op}: `sizes`={sz} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
+    torch._check(total == x.shape[dim])
+    if g.is_single:
+        return x.clone()
+    y = _prims.reduce_scatter_v(wire(x).movedim(dim, 0), sz, rop, g.name, g.size, g.rank)
+    y = unwire(y, x.dtype)
+    return y if dim == 0 else y.movedim(0, dim).contiguous()
+
+
+def all_to_all_v(
+    x: Tensor,
+    send_sizes: Sequence[int] | Tensor,
+    recv_sizes: Sequence[int] | Tensor | None = None,
+    *,
+    dim: int = 0,
+    group: GroupLike = None,
+) -> tuple[Tensor, Tensor]:
+    """Uneven all-to-all along `dim` (MoE dispatch): rank r sends ``send_sizes[j]`` rows to rank j.
+
+    Ragged data model: `x` holds ``sum(send_sizes)`` rows along `dim`, laid out as
+    the block for rank 0, then rank 1, ...; the result holds ``sum(recv_sizes)`` rows,
+    the block from rank 0 first. ``recv_sizes[i]`` on rank r equals
+    ``send_sizes[r]`` on rank i.
+
+    Args:
+        x: this rank's rows; all dims but `dim`, and the dtype, agree on every rank.
+        send_sizes: world ints (a list, or an int tensor on any device).
+        recv_sizes: world ints, or None to have funcoll exchange the send sizes first
+            (one small all_gather that also checks the ranks agree on shapes).
+        dim: the dim the rows are counted along.
+        group: the communicator.
+
+    Returns:
+        ``(y, recv_sizes)``: `y` the received rows (a new tensor), `recv_sizes` an int64
+        tensor of shape ``(world,)`` on ``x.device``, given or exchanged. The pair is
+        returned either way so the result type never depends on the arguments.
+
+    Backward: ``all_to_all_v`` of the gradient with send and receive sizes swapped.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1, 2, 3], send_sizes = [1, 2]
+        # rank 1: x = [4, 5],    send_sizes = [2, 0]
+        all_to_all_v(x, send_sizes)
+        # rank 0: ([1, 4, 5], tensor([1, 2]))   rank 1: ([2, 3], tensor([2, 0]))
+    """
+    op = "funcoll.all_to_all_v"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    g = resolve_group(op, group)
+    xm = wire(x).movedim(d, 0)
+    if recv_sizes is None:
+        if isinstance(send_sizes, Tensor):
+            if send_sizes.shape != (g.size,) or send_sizes.dtype.is_floating_point:
+                raise ValueError(
+                    f"{op}: `send_sizes` must be an int tensor of shape ({g.size},), got "
+                    f"{send_sizes.dtype} {tuple(send_sizes.shape)}"
+                )
+            send_t = send_sizes
+        else:
+            sz = _host_sizes(op, "send_sizes", send_sizes, g.size)
+            _check_total(op, sz, x, d)
+            send_t = torch.tensor(sz, dtype=torch.int64)
+        if g.is_single:
+            send = _host_sizes(op, "send_sizes", send_t, 1)
+            _check_total(op, send, x, d)
+            return x.clone(), send_t.to(device=x.device, dtype=torch.int64).clone()
+        table, ints = exchange("all_to_all_v", x, d, g, send_sizes=send_t)
+        send, recv = ints[: g.size], ints[g.size :]
+        from ._header import WIDTH
+
+        recv_t = table[:, WIDTH + g.rank].clone()
+    else:
+        both = _host_sizes_pair(op, send_sizes, recv_sizes, g.size)
+        send, recv = both[: g.size], both[g.size :]
+        _check_total(op, send, x, d)
+        recv_t = torch.tensor(recv, dtype=torch.int64, device=x.device)
+        if g.is_single:
+            if recv != send:
+                raise ValueError(f"{op}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
+            return x.clone(), recv_t
+    torch._check(sum(send) == xm.shape[0])
+    y = unwire(_prims.all_to_all_rows(xm, recv, send, g.name), x.dtype)
+    return (y if d == 0 else y.movedim(0, d).contiguous()), recv_t
+
+
+def _host_sizes_pair(
+    op: str, send: Sequence[int] | Tensor, recv: Sequence[int] | Tensor, world: int
+) -> list[int]:
+    if isinstance(send, Tensor) and isinstance(recv, Tensor):
+        if send.shape != (world,) or recv.shape != (world,):
+            raise ValueError(
+                f"{op}: `send_sizes` and `recv_sizes` must have shape ({world},), got "
+                f"{tuple(send.shape)} and {tuple(recv.shape)}"
+            )
+        both = torch.cat([send.reshape(-1), recv.to(send.device).reshape(-1)])
+        return _host_sizes(op, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
+    return _host_sizes(op, "send_sizes", send, world) + _host_sizes(op, "recv_sizes", recv, world)
+
+
+def _check_total(op: str, send: Sequence[IntLike], x: Tensor, dim: int) -> None:
+    total = sum(send)
+    if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
+        raise ValueError(f"{op}: `send_sizes`={list(send)} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
+
+
+def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
+    """Mark `dim` of `x` as a size that changes from call to call, before a compiled step.
+
+    A thin wrapper over ``torch._dynamo.decorators.mark_unbacked``: the compiled graph
+    treats ``x.shape[dim]`` as an unbacked symbol, so it never specializes on it (not
+    even on 0 or 1) and one graph serves every length. Call it on the input outside
+    the compiled function; inside one, and in eager code, it does nothing. Returns
+    `x` itself (marked), so it can wrap an argument in place.
+
+    Example::
+
+        step = torch.compile(step_fn, fullgraph=True)
+        for batch in loader:                 # the local length varies per step
+            step(funcoll.mark_ragged(batch, 0))
+    """
+    op = "funcoll.mark_ragged"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    if torch.compiler.is_compiling():
+        return x
+    torch._dynamo.decorators.mark_unbacked(x, d)
+    return x

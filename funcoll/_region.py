@@ -1,0 +1,159 @@
+"""Region ops: Megatron/OpenSora-style pairs whose backward is not the adjoint of a collective.
+
+Inside a tensor- or sequence-parallel region the computation after the op is the
+same on every rank, so the gradient that comes back is already complete on every
+rank: gathering in the forward needs only a local split in the backward, and
+splitting in the forward needs a gather in the backward. `grad_scale` rescales that
+gradient ("up": times world, "down": divided by world), as OpenSora does.
+
+Uneven dims follow ``torch.tensor_split``: along a dim of length n the first
+``n % world`` ranks hold one more row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import torch
+from torch import Tensor
+
+from . import _prims
+from ._checks import check_dim, check_tensor, tensor_split_sizes, unwire, wire
+from ._group import Group, GroupLike, resolve_group
+from ._header import exchange
+from ._ragged import _gather_rows
+
+__all__ = ["split_forward_gather_backward", "gather_forward_split_backward"]
+
+GradScale = Union[Literal["up", "down"], None, float]
+IntLike = _prims.IntLike
+
+
+def _check_grad_scale(op: str, grad_scale: object) -> str | None:
+    # OpenSora's split_forward_gather_backward defaults to 1.0, which its backward
+    # treats as "no scaling"; accept 1.0 as None for compatibility.
+    if grad_scale is None or (isinstance(grad_scale, float) and grad_scale == 1.0):
+        return None
+    if grad_scale in ("up", "down"):
+        return grad_scale  # type: ignore[return-value]
+    raise ValueError(f"{op}: `grad_scale`={grad_scale!r} must be 'up', 'down' or None (1.0 means None)")
+
+
+def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
+    if scale == "up":
+        return g * world
+    if scale == "down":
+        return g / world
+    return g
+
+
+class _SplitForwardGatherBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, scale: str | None, name: str, size: int, rank: int) -> Tensor:
+        ctx.dim, ctx.scale, ctx.name, ctx.size, ctx.rank = dim, scale, name, size, rank
+        sizes = tensor_split_sizes(x.shape[dim], size)
+        ctx.sizes = _prims._ctx_ints(sizes)
+        start = sum(sizes[:rank])
+        return x.narrow(dim, start, sizes[rank]).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        gm = wire(_scaled(grad, ctx.scale, ctx.size)).movedim(ctx.dim, 0)
+        full = _prims.all_gather_v(gm, ctx.sizes, _sym_min_of(ctx.sizes), ctx.name, ctx.size, ctx.rank)
+        full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
+        return full, None, None, None, None, None
+
+
+class _GatherForwardSplitBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, dim: int, sizes: list[IntLike], scale: str | None, name: str, size: int, rank: int
+    ) -> Tensor:
+        g = Group(name, size, rank)
+        y = unwire(_gather_rows(wire(x).movedim(dim, 0), sizes, "auto", g), x.dtype)
+        y = y if dim == 0 else y.movedim(0, dim).contiguous()
+        ctx.dim, ctx.scale, ctx.size = dim, scale, g.size
+        ctx.start = _prims._ctx_ints([sum(sizes[: g.rank])])[0]
+        ctx.len = _prims._ctx_ints([sizes[g.rank]])[0]
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
+        return _scaled(piece, ctx.scale, ctx.size).contiguous(), None, None, None, None, None, None
+
+
+def _sym_min_of(sizes: list[IntLike]) -> IntLike:
+    out = sizes[0]
+    for s in sizes[1:]:
+        out = torch.sym_min(out, s)
+    return out
+
+
+def split_forward_gather_backward(
+    x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
+) -> Tensor:
+    """Keep this rank's piece of `x` along `dim`; the backward gathers the gradient.
+
+    Args:
+        x: the full tensor, the same on every rank.
+        group: the communicator (OpenSora's ``process_group``).
+        dim: the dim to split, with ``torch.tensor_split`` semantics when it does not
+            divide by world (the first ``n % world`` ranks get one more).
+        grad_scale: ``"up"`` multiplies the backward gradient by world, ``"down"``
+            divides it, None (or 1.0) leaves it.
+
+    Returns:
+        A new tensor: this rank's piece, ``x.shape`` with ``shape[dim]`` the piece length.
+
+    Backward: a (ragged) ``all_gather`` of the gradient along `dim`, scaled.
+
+    Example (2 ranks)::
+
+        # both: x = [1, 2, 3]
+        split_forward_gather_backward(x, None, 0)   # rank 0: [1, 2]   rank 1: [3]
+        # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
+    """
+    op = "funcoll.split_forward_gather_backward"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    scale = _check_grad_scale(op, grad_scale)
+    g = resolve_group(op, group)
+    if g.is_single:
+        return x.clone()
+    return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank)
+
+
+def gather_forward_split_backward(
+    x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
+) -> Tensor:
+    """Gather every rank's piece along `dim`; the backward keeps this rank's piece of the gradient.
+
+    Args:
+        x: this rank's piece; lengths along `dim` may differ between ranks (the
+            ragged data model of :func:`funcoll.gather`), all other dims agree.
+        group: the communicator.
+        dim: the dim to concatenate along, in rank order.
+        grad_scale: ``"up"``, ``"down"`` or None (1.0 means None), as in
+            :func:`split_forward_gather_backward`.
+
+    Returns:
+        A new tensor: the concatenation of the ranks' pieces along `dim`.
+
+    Backward: the slice of the gradient at this rank's rows, scaled; no communication.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1, 2]   rank 1: x = [3]
+        gather_forward_split_backward(x, None, 0)   # both: [1, 2, 3]
+        # backward with grad [10., 20., 30.]: rank 0 x.grad = [10., 20.], rank 1 [30.]
+    """
+    op = "funcoll.gather_forward_split_backward"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    scale = _check_grad_scale(op, grad_scale)
+    g = resolve_group(op, group)
+    if g.is_single:
+        return x.clone()
+    _, sizes = exchange("gather_forward_split_backward", x, d, g)
+    return _GatherForwardSplitBackward.apply(x, d, sizes, scale, g.name, g.size, g.rank)

@@ -1,0 +1,143 @@
+"""Run a function on N real ranks (gloo, CPU processes) and collect the results.
+
+:func:`run_ranks` is what funcoll's own tests use, and it is public so that code
+built on funcoll can test its collectives the same way: real processes and a real
+backend, never mocks. It fails in bounded time: a rank that raises makes the whole
+run raise with that rank's traceback, and a rank that dies or hangs (a deadlock,
+mismatched collectives) makes it raise ``TimeoutError`` after `timeout` seconds;
+every child process is killed either way.
+
+Example::
+
+    def body(rank, world):
+        x = torch.full((rank + 1,), float(rank))
+        return funcoll.gather(x)
+
+    results = run_ranks(body, world=3)   # one result per rank
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its rank and traceback."""
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    store_path: str,
+    results: Any,
+    args: tuple[Any, ...],
+    backend: str,
+    timeout: float,
+) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, _dumps(out)))
+    except BaseException:  # report everything, KeyboardInterrupt included
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on `world` processes and return the results in rank order.
+
+    Args:
+        fn: a module-level function (it is pickled for the child processes).
+        world: the number of ranks.
+        args: extra arguments passed to every rank (picklable).
+        timeout: seconds the whole run may take, start-up included.
+        backend: the torch.distributed backend; gloo runs on CPU.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]`` (results travel with ``torch.save``).
+
+    Raises:
+        RankError: a rank raised; the message carries its traceback.
+        TimeoutError: not every rank finished within `timeout` (a hang, a dead rank).
+    """
+    method = os.environ.get("FUNCOLL_TEST_START_METHOD", "fork")
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    fd, store_path = tempfile.mkstemp(prefix="funcoll_store_")
+    os.close(fd)
+    os.unlink(store_path)
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, store_path, results, args, backend, timeout), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world)) - set(out))
+                raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout:.0f}s")
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+                if dead:  # died without reporting (killed, segfault): give the queue a moment
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RankError(f"run_ranks: ranks {dead} exited without a result: {codes}") from None
+                else:
+                    continue
+            if not ok:
+                raise RankError(f"rank {rank} of {world} raised:\n{payload}")
+            out[rank] = _loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if os.path.exists(store_path):
+            os.unlink(store_path)
+    return [out[r] for r in range(world)]
