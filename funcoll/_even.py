@@ -39,7 +39,8 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
             per-rank sizes along `dim` use :func:`funcoll.gather`).
         dim: with ``tiled=True`` the dim to concatenate along; with ``tiled=False``
             where the new rank axis goes (``-1`` puts it last).
-        group: the communicator (see :doc:`groups`).
+        group: the communicator: None, a ProcessGroup, a 1-D DeviceMesh,
+            ``(mesh, mesh_dim)`` or a group name (docs/index.md, Groups).
         tiled: concatenate (True) or stack a new axis of size world (False).
 
     Returns:
@@ -173,8 +174,9 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
 
     Backward (``sum``): ``all_reduce`` (sum) of the gradient, JAX's convention: the
     gradient of a replicated loss summed over ranks. ``avg`` divides by world; the
-    other ops have no gradient. Megatron's pair (identity forward / all_reduce
-    backward and the reverse) is what the region ops give: see :doc:`ops`.
+    other ops have no gradient. Megatron's identity-backward pairs (identity forward
+    with all_reduce backward, and the reverse) are what the region ops give
+    (docs/index.md, Region ops).
 
     Example (2 ranks)::
 

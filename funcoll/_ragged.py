@@ -120,7 +120,7 @@ def gather(
         # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
         gather(x)            # both: [[1, 2], [3, 4], [5, 6]]
         gather(x, dst=1)     # rank 0: None   rank 1: [[1, 2], [3, 4], [5, 6]]
-        # rank 0: x = [[1], [2]]         rank 1: x = [[3, 4]]... is refused: dim 1 differs
+        # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
     op = "funcoll.gather"
     check_tensor(op, "x", x)
