@@ -11,8 +11,8 @@ check costs no extra round trip, and ranks that disagree all raise the same
 Reading the table on the host is the single device-to-host sync of a ragged call.
 It happens inside the custom op ``funcoll::check_header`` so that it is one opaque
 step in a compiled graph (its fake returns an int64 CPU tensor of the right
-length), and the `.tolist()` that turns that CPU tensor into the sizes that shape
-the output is then host-to-host.
+length), and turning that CPU tensor into the sizes that shape the output is
+then host-to-host, not a second sync.
 """
 
 from __future__ import annotations
@@ -72,11 +72,10 @@ def exchange(
         header = torch.cat([header, send_sizes.to(device=x.device, dtype=torch.int64).reshape(-1)])
     table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
     host = torch.ops.funcoll.check_header(table, opname, g.rank)
-    # `host` is on the CPU already: this .tolist() is host-to-host, not a device sync.
-    # Under dynamo it yields unbacked SymInts; the patch keeps that so without a
-    # global config change (fullgraph=True enables it anyway).
+    # Under dynamo this .tolist() yields unbacked SymInts; the patch allows that
+    # without a global config change (fullgraph=True enables it anyway).
     with _capture_scalars():
-        ints = host.tolist()
+        ints = host.tolist()  # no device sync: `host` is a CPU tensor (the sync was in check_header)
     for n in ints:
         torch._check(n >= 0)
     return table, ints
