@@ -72,7 +72,7 @@ def exchange(
         header = torch.cat([header, send_sizes.to(device=x.device, dtype=torch.int64).reshape(-1)])
     table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
     host = torch.ops.funcoll.check_header(table, opname, g.rank)
-    # Under dynamo this .tolist() yields unbacked SymInts; the patch allows that
+    # Under dynamo the conversion below yields unbacked SymInts; the patch allows that
     # without a global config change (fullgraph=True enables it anyway).
     with _capture_scalars():
         ints = host.tolist()  # no device sync: `host` is a CPU tensor (the sync was in check_header)
