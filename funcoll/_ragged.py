@@ -25,6 +25,12 @@ __all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "ma
 
 STRATEGIES = ("auto", "pad", "bcast")
 IntLike = _prims.IntLike
+# "auto" sends what does not fit the common all_gather as one broadcast per rank:
+# cheap in bytes, but `world` collectives in a row. Past this many ranks their
+# latency outweighs padding, and "auto" pads instead (one all_gather). The number
+# is a static choice (so every rank makes the same one), set from this reasoning,
+# not from a measurement: the machine funcoll is tested on runs at most 4 ranks.
+AUTO_BCAST_MAX_WORLD = 8
 
 
 def _check_strategy(op: str, strategy: object) -> int:
@@ -51,6 +57,8 @@ def _all_equal(sizes: Sequence[IntLike]) -> bool:
 def _gather_rows(xm: Tensor, sizes: list[IntLike], strategy: str, g: Group) -> Tensor:
     """Ragged all-gather of dim 0 of `xm` (``sizes[g.rank]`` rows) with the given strategy."""
     torch._check(xm.shape[0] == sizes[g.rank])
+    if strategy == "auto" and g.size > AUTO_BCAST_MAX_WORLD:
+        strategy = "pad"
     if strategy == "pad":
         longest = _sym_max(sizes)
         if _all_equal(sizes):  # nothing to pad and nothing to cut
@@ -100,7 +108,8 @@ def gather(
         strategy: how the rows travel when ``dst`` is None:
             ``"auto"`` (default) sends the rows every rank has (the first
             ``min(sizes)``) in one all_gather and the rest of rank i's rows in a
-            broadcast from rank i: no padding, one all_gather when sizes are equal;
+            broadcast from rank i: no padding, one all_gather when sizes are equal
+            (above 8 ranks it pads instead, to keep to one collective);
             ``"pad"`` pads to ``max(sizes)``, all_gathers and cuts the padding off
             (no copies when sizes are equal); ``"bcast"`` sends everything by
             broadcasts. Each issues the same collectives whatever the sizes, in
