@@ -8,7 +8,15 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_rank, check_reduce_op, check_tensor, tensor_split_sizes, unwire, wire
+from ._checks import (
+    check_dim,
+    check_rank,
+    check_reduce_op,
+    local_input,
+    tensor_split_sizes,
+    unwire,
+    wire,
+)
 from ._group import GroupLike, resolve_group
 
 __all__ = [
@@ -59,7 +67,7 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         all_gather(x, tiled=False)    # both: [[[1, 2]], [[3, 4]]], shape (2, 1, 2)
     """
     op = "funcoll.all_gather"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim, extra=0 if tiled else 1)
     g = resolve_group(op, group)
     if g.is_single:
@@ -131,7 +139,7 @@ def reduce_scatter(
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
     """
     name = "funcoll.reduce_scatter"
-    check_tensor(name, "x", x)
+    x, group = local_input(name, x, group)
     d = check_dim(name, x, dim)
     rop = check_reduce_op(name, op)
     if rop == "avg" and not x.dtype.is_floating_point:
@@ -185,7 +193,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         all_reduce(x, op="max")       # both: [3., 4.]
     """
     name = "funcoll.all_reduce"
-    check_tensor(name, "x", x)
+    x, group = local_input(name, x, group)
     rop = check_reduce_op(name, op)
     if rop == "avg" and not x.dtype.is_floating_point:
         raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
@@ -225,7 +233,7 @@ def all_to_all(
         all_to_all(x, None, 1, 0)     # rank 0: [[1], [3]]    rank 1: [[2], [4]]
     """
     name = "funcoll.all_to_all"
-    check_tensor(name, "x", x)
+    x, group = local_input(name, x, group)
     s = check_dim(name, x, scatter_dim, "scatter_dim")
     gd = check_dim(name, x, gather_dim, "gather_dim")
     g = resolve_group(name, group)
@@ -276,7 +284,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
         ppermute(x, [(0, 1), (1, 0)]) # rank 0: [2., 2.]      rank 1: [1., 1.]
     """
     name = "funcoll.ppermute"
-    check_tensor(name, "x", x)
+    x, group = local_input(name, x, group)
     g = resolve_group(name, group)
     pairs = _check_perm(name, perm, g.size)
     if g.is_single:
@@ -314,7 +322,7 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
         broadcast(x, src=0)           # both: [1., 2.]
     """
     name = "funcoll.broadcast"
-    check_tensor(name, "x", x)
+    x, group = local_input(name, x, group)
     g = resolve_group(name, group)
     check_rank(name, "src", src, g.size)
     if g.is_single:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_rank, check_reduce_op, check_tensor, unwire, wire
+from ._checks import check_dim, check_rank, check_tensor, local_input, unwire, wire
 from ._group import Group, GroupLike, resolve_group
 from ._header import exchange
 
@@ -132,7 +132,7 @@ def gather(
         # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
     op = "funcoll.gather"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     strat = _check_strategy(op, strategy)
     g = resolve_group(op, group)
@@ -181,7 +181,7 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
         all_gather_list(x)            # both: [tensor([1.5, 2.3]), tensor([5.3])]
     """
     op = "funcoll.all_gather_list"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
@@ -211,7 +211,7 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
         all_gather_ragged(x)   # both: ([[1, 2], [3, 4], [5, 6]], tensor([2, 1]))
     """
     op = "funcoll.all_gather_ragged"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
@@ -290,7 +290,7 @@ def all_to_all_v(
         # rank 0: ([1, 4, 5], tensor([1, 2]))   rank 1: ([2, 3], tensor([2, 0]))
     """
     op = "funcoll.all_to_all_v"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     g = resolve_group(op, group)
     xm = wire(x).movedim(d, 0)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_tensor, tensor_split_sizes, unwire, wire
+from ._checks import check_dim, local_input, tensor_split_sizes, unwire, wire
 from ._group import Group, GroupLike, resolve_group
 from ._header import exchange
 from ._ragged import _gather_rows
@@ -115,7 +115,7 @@ def split_forward_gather_backward(
         # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
     """
     op = "funcoll.split_forward_gather_backward"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     scale = _check_grad_scale(op, grad_scale)
     g = resolve_group(op, group)
@@ -149,7 +149,7 @@ def gather_forward_split_backward(
         # backward with grad [10., 20., 30.]: rank 0 x.grad = [10., 20.], rank 1 [30.]
     """
     op = "funcoll.gather_forward_split_backward"
-    check_tensor(op, "x", x)
+    x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     scale = _check_grad_scale(op, grad_scale)
     g = resolve_group(op, group)
