@@ -25,6 +25,7 @@ a ctx: only the group name, size and rank, which are plain Python values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -212,6 +213,57 @@ def _reduce_scatter_v_impl(
     return stacked.prod(0)
 
 
+# "auto" sends what does not fit the common all_gather as one broadcast per rank:
+# cheap in bytes, but `world` collectives in a row. Past this many ranks their
+# latency outweighs padding, and "auto" pads instead (one all_gather). The number
+# is a static choice (so every rank makes the same one), set from this reasoning,
+# not from a measurement: the machine funcoll is tested on runs at most 4 ranks.
+AUTO_BCAST_MAX_WORLD = 8
+
+
+def _sym_min(sizes: Sequence[IntLike]) -> IntLike:
+    return functools.reduce(torch.sym_min, sizes)
+
+
+def _sym_max(sizes: Sequence[IntLike]) -> IntLike:
+    return functools.reduce(torch.sym_max, sizes)
+
+
+def _all_equal(sizes: Sequence[IntLike]) -> bool:
+    # Only ever True in eager mode, where sizes are ints; in a compiled graph they
+    # are unbacked SymInts and the general path runs. Either way the collectives
+    # issued are the same: only local copies are skipped.
+    return not torch.compiler.is_compiling() and len(set(sizes)) == 1
+
+
+def gather_rows(
+    x: Tensor, sizes: Sequence[IntLike], strategy: str, name: str, size: int, rank: int
+) -> Tensor:
+    """Ragged all-gather of dim 0 (``sizes[rank]`` rows here) with a strategy of funcoll.gather.
+
+    ``"pad"``: pad to ``max(sizes)``, all_gather0, cut (differentiable through
+    all_gather0's adjoint and the pad/cut). ``"auto"``/``"bcast"``: all_gather_v with
+    the common prefix ``min(sizes)`` (or 0) in the all_gather.
+    """
+    sizes = list(sizes)
+    torch._check(x.shape[0] == sizes[rank])
+    if strategy == "auto" and size > AUTO_BCAST_MAX_WORLD:
+        strategy = "pad"
+    if strategy == "pad":
+        if _all_equal(sizes):  # nothing to pad and nothing to cut
+            return all_gather0(x, name, size)
+        longest = _sym_max(sizes)
+        for n in sizes:
+            torch._check(longest - n >= 0)
+        padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+        blocks = all_gather0(padded, name, size)
+        return torch.cat([blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)])
+    common = 0 if strategy == "bcast" else _sym_min(sizes)
+    for n in sizes:
+        torch._check(n - common >= 0)
+    return all_gather_v(x, sizes, common, name, size, rank)
+
+
 class _AllGatherV(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -236,7 +288,7 @@ class _ReduceScatterV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = all_gather_v(grad, ctx.sizes, 0, ctx.name, ctx.size, ctx.rank)
+        g = gather_rows(grad, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank)
         return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None, None, None
 
 

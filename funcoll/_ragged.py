@@ -10,7 +10,6 @@ sit at ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. funcoll exchanges
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -25,12 +24,6 @@ __all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "ma
 
 STRATEGIES = ("auto", "pad", "bcast")
 IntLike = _prims.IntLike
-# "auto" sends what does not fit the common all_gather as one broadcast per rank:
-# cheap in bytes, but `world` collectives in a row. Past this many ranks their
-# latency outweighs padding, and "auto" pads instead (one all_gather). The number
-# is a static choice (so every rank makes the same one), set from this reasoning,
-# not from a measurement: the machine funcoll is tested on runs at most 4 ranks.
-AUTO_BCAST_MAX_WORLD = 8
 
 
 def _check_strategy(op: str, strategy: object) -> int:
@@ -39,47 +32,12 @@ def _check_strategy(op: str, strategy: object) -> int:
     return STRATEGIES.index(strategy)  # type: ignore[arg-type]
 
 
-def _sym_min(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_min, sizes)
-
-
-def _sym_max(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_max, sizes)
-
-
-def _all_equal(sizes: Sequence[IntLike]) -> bool:
-    # Only ever True in eager mode, where sizes are ints; in a compiled graph they
-    # are unbacked SymInts and the general path runs. Either way the collectives
-    # issued are the same: only local copies are skipped.
-    return not torch.compiler.is_compiling() and len(set(sizes)) == 1
-
-
-def _gather_rows(xm: Tensor, sizes: list[IntLike], strategy: str, g: Group) -> Tensor:
-    """Ragged all-gather of dim 0 of `xm` (``sizes[g.rank]`` rows) with the given strategy."""
-    torch._check(xm.shape[0] == sizes[g.rank])
-    if strategy == "auto" and g.size > AUTO_BCAST_MAX_WORLD:
-        strategy = "pad"
-    if strategy == "pad":
-        longest = _sym_max(sizes)
-        if _all_equal(sizes):  # nothing to pad and nothing to cut
-            return _prims.all_gather0(xm, g.name, g.size)
-        for n in sizes:
-            torch._check(longest - n >= 0)
-        padded = torch.cat([xm, xm.new_zeros((longest - xm.shape[0], *xm.shape[1:]))])
-        blocks = _prims.all_gather0(padded, g.name, g.size)
-        return torch.cat([blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)])
-    common = 0 if strategy == "bcast" else _sym_min(sizes)
-    for n in sizes:
-        torch._check(n - common >= 0)
-    return _prims.all_gather_v(xm, sizes, common, g.name, g.size, g.rank)
-
-
 def ragged_all_gather(
     opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto"
 ) -> tuple[Tensor, list[IntLike], Tensor]:
     """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
     table, sizes = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)))
-    y = _gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g)
+    y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank)
     y = unwire(y, x.dtype)
     return (y if dim == 0 else y.movedim(0, dim).contiguous()), sizes, table
 

@@ -19,9 +19,8 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import check_dim, local_input, tensor_split_sizes, unwire, wire
-from ._group import Group, GroupLike, resolve_group
+from ._group import GroupLike, resolve_group
 from ._header import exchange
-from ._ragged import _gather_rows
 
 __all__ = ["split_forward_gather_backward", "gather_forward_split_backward"]
 
@@ -59,7 +58,7 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         gm = wire(_scaled(grad, ctx.scale, ctx.size)).movedim(ctx.dim, 0)
-        full = _prims.all_gather_v(gm, ctx.sizes, _sym_min_of(ctx.sizes), ctx.name, ctx.size, ctx.rank)
+        full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank)
         full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
         return full, None, None, None, None, None
 
@@ -69,25 +68,17 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, dim: int, sizes: list[IntLike], scale: str | None, name: str, size: int, rank: int
     ) -> Tensor:
-        g = Group(name, size, rank)
-        y = unwire(_gather_rows(wire(x).movedim(dim, 0), sizes, "auto", g), x.dtype)
+        y = unwire(_prims.gather_rows(wire(x).movedim(dim, 0), sizes, "auto", name, size, rank), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()
-        ctx.dim, ctx.scale, ctx.size = dim, scale, g.size
-        ctx.start = _prims._ctx_ints([sum(sizes[: g.rank])])[0]
-        ctx.len = _prims._ctx_ints([sizes[g.rank]])[0]
+        ctx.dim, ctx.scale, ctx.size = dim, scale, size
+        ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
+        ctx.len = _prims._ctx_ints([sizes[rank]])[0]
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
         return _scaled(piece, ctx.scale, ctx.size).contiguous(), None, None, None, None, None, None
-
-
-def _sym_min_of(sizes: list[IntLike]) -> IntLike:
-    out = sizes[0]
-    for s in sizes[1:]:
-        out = torch.sym_min(out, s)
-    return out
 
 
 def split_forward_gather_backward(

@@ -208,9 +208,8 @@ def drawn_case(draw: st.DrawFn, world: int) -> Case:
         case = replace(case, reduce_op=draw(st.sampled_from(ops)), sizes_as=draw(st.sampled_from(("list", "tensor"))))
     if op == "all_to_all_v":
         case = replace(case, sizes_as=draw(st.sampled_from(("list", "tensor"))), exchange=draw(st.booleans()))
-    if dtype == "float64" and case.dst is None and case.reduce_op in ("sum", "avg"):
-        case = replace(case, grad=draw(st.booleans()))
-    return case
+    # float64 cases carry gradients wherever the op has them (not gather with a dst, not max/min/product)
+    return replace(case, grad=dtype == "float64" and case.dst is None and case.reduce_op in ("sum", "avg"))
 
 
 def hypothesis_cases(world: int, n: int = 12) -> list[Case]:
