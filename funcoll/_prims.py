@@ -172,22 +172,30 @@ def _all_gather_v_impl(
     """Ragged all-gather along dim 0 without padding.
 
     The first `common` rows of every rank (``common <= min(sizes)``) travel in one
-    all_gather; the rest of rank i's rows in one broadcast from rank i. Every rank
-    issues the same collectives whatever the sizes (one all_gather and `size`
-    broadcasts), so the sequence never depends on data.
+    all_gather; the rest of each rank's rows in one all_to_all_single that sends them
+    to every other rank. Every rank issues the same two collectives whatever the
+    sizes, and each one's input is this rank's own rows, so no compiler pass can
+    treat a collective as independent of the data on some ranks and move it (the
+    min-cut partitioner hoists tangent-independent nodes of a backward into the
+    forward, which would reorder one rank's collectives against another's).
     """
     block = _wait(_F.all_gather_into_tensor(x.narrow(0, 0, common).contiguous(), size, name))
-    rest = []
-    for i, n_i in enumerate(sizes):
-        extra = n_i - common
-        src = x.narrow(0, common, extra) if i == rank else x.new_empty((extra, *x.shape[1:]))
-        rest.append(_wait(_F.broadcast(src.contiguous(), i, name)))
-    if not torch.compiler.is_compiling() and all(r.shape[0] == 0 for r in rest):
+    extras = [n - common for n in sizes]
+    mine = x.narrow(0, common, extras[rank])
+    send = [0 if j == rank else extras[rank] for j in range(size)]
+    recv = [0 if i == rank else extras[i] for i in range(size)]
+    payload = mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape(-1, *mine.shape[1:])
+    got = _wait(_F.all_to_all_single(payload.contiguous(), recv, send, name))
+    if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
-    pieces = []
+    pieces, offset = [], 0
     for i in range(size):
         pieces.append(block.narrow(0, i * common, common))
-        pieces.append(rest[i])
+        if i == rank:
+            pieces.append(mine)
+        else:
+            pieces.append(got.narrow(0, offset, extras[i]))
+            offset = offset + extras[i]
     return torch.cat(pieces, 0)
 
 
@@ -213,11 +221,12 @@ def _reduce_scatter_v_impl(
     return stacked.prod(0)
 
 
-# "auto" sends what does not fit the common all_gather as one broadcast per rank:
-# cheap in bytes, but `world` collectives in a row. Past this many ranks their
-# latency outweighs padding, and "auto" pads instead (one all_gather). The number
-# is a static choice (so every rank makes the same one), set from this reasoning,
-# not from a measurement: the machine funcoll is tested on runs at most 4 ranks.
+# "auto" sends what does not fit the common all_gather with one all_to_all_single,
+# whose input repeats this rank's extra rows world - 1 times: cheap on the wire but
+# a local copy that grows with the world. Past this many ranks "auto" pads instead
+# (one all_gather). The number is a static choice (so every rank makes the same
+# one), set from this reasoning, not from a measurement: the machine funcoll is
+# tested on runs at most 4 ranks.
 AUTO_BCAST_MAX_WORLD = 8
 
 
@@ -242,7 +251,7 @@ def gather_rows(
     """Ragged all-gather of dim 0 (``sizes[rank]`` rows here) with a strategy of funcoll.gather.
 
     ``"pad"``: pad to ``max(sizes)``, all_gather0, cut (differentiable through
-    all_gather0's adjoint and the pad/cut). ``"auto"``/``"bcast"``: all_gather_v with
+    all_gather0's adjoint and the pad/cut). ``"auto"``/``"a2a"``: all_gather_v with
     the common prefix ``min(sizes)`` (or 0) in the all_gather.
     """
     sizes = list(sizes)
@@ -258,7 +267,7 @@ def gather_rows(
         padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
         blocks = all_gather0(padded, name, size)
         return torch.cat([blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)])
-    common = 0 if strategy == "bcast" else _sym_min(sizes)
+    common = 0 if strategy == "a2a" else _sym_min(sizes)
     for n in sizes:
         torch._check(n - common >= 0)
     return all_gather_v(x, sizes, common, name, size, rank)

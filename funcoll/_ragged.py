@@ -22,7 +22,7 @@ from ._header import exchange
 
 __all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "mark_ragged"]
 
-STRATEGIES = ("auto", "pad", "bcast")
+STRATEGIES = ("auto", "pad", "a2a")
 IntLike = _prims.IntLike
 
 
@@ -65,13 +65,13 @@ def gather(
         group: the communicator.
         strategy: how the rows travel when ``dst`` is None:
             ``"auto"`` (default) sends the rows every rank has (the first
-            ``min(sizes)``) in one all_gather and the rest of rank i's rows in a
-            broadcast from rank i: no padding, one all_gather when sizes are equal
-            (above 8 ranks it pads instead, to keep to one collective);
+            ``min(sizes)``) in one all_gather and the rest of each rank's rows in
+            one all_to_all_single: no padding, and with equal sizes all the data
+            goes in the all_gather (above 8 ranks it pads instead);
             ``"pad"`` pads to ``max(sizes)``, all_gathers and cuts the padding off
-            (no copies when sizes are equal); ``"bcast"`` sends everything by
-            broadcasts. Each issues the same collectives whatever the sizes, in
-            eager and compiled code alike.
+            (no copies when sizes are equal); ``"a2a"`` sends everything in the
+            all_to_all_single. Each issues the same collectives whatever the
+            sizes, in eager and compiled code alike.
 
     Returns:
         ``x.shape`` with ``shape[dim] = sum(sizes)``, ranks in order (a new tensor),

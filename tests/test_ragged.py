@@ -166,7 +166,13 @@ def explicit_cases(world: int) -> list[Case]:
             if rop == "avg" and dtype == "int64":
                 continue
             cases.append(
-                make("reduce_scatter", SIZE_PATTERNS[i % 4], dtype=dtype, reduce_op=rop, sizes_as=("list", "tensor")[i % 2])
+                make(
+                    "reduce_scatter",
+                    SIZE_PATTERNS[i % 4],
+                    dtype=dtype,
+                    reduce_op=rop,
+                    sizes_as=("list", "tensor")[i % 2],
+                )
             )
     for rop in ("sum", "avg"):
         for pattern in SIZE_PATTERNS[:3]:
@@ -176,7 +182,16 @@ def explicit_cases(world: int) -> list[Case]:
             for pattern in SIZE_PATTERNS:
                 cases.append(make("all_to_all_v", pattern, sizes_as=sizes_as, exchange=exchange))
             for pattern in SIZE_PATTERNS[:2]:
-                cases.append(make("all_to_all_v", pattern, dtype="float64", sizes_as=sizes_as, exchange=exchange, grad=True))
+                cases.append(
+                    make(
+                        "all_to_all_v",
+                        pattern,
+                        dtype="float64",
+                        sizes_as=sizes_as,
+                        exchange=exchange,
+                        grad=True,
+                    )
+                )
     for dtype in DTYPES:
         cases.append(make("all_to_all_v", "seeded", dtype=dtype, sizes_as="tensor"))
     unique: dict[str, Case] = {}
@@ -192,7 +207,9 @@ CASES: dict[int, list[Case]] = {w: explicit_cases(w) for w in WORLDS}
 @st.composite
 def drawn_case(draw: st.DrawFn, world: int) -> Case:
     """Any ragged op, 1-D to 4-D (zero-size other dims included), any dim, any layout and dtype."""
-    op = draw(st.sampled_from(("gather", "all_gather_list", "all_gather_ragged", "reduce_scatter", "all_to_all_v")))
+    op = draw(
+        st.sampled_from(("gather", "all_gather_list", "all_gather_ragged", "reduce_scatter", "all_to_all_v"))
+    )
     ndim = draw(st.integers(1, 4))
     shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
     dim = draw(st.integers(-ndim, ndim - 1))
@@ -202,10 +219,14 @@ def drawn_case(draw: st.DrawFn, world: int) -> Case:
     layout = draw(st.sampled_from(LAYOUTS if ndim >= 2 else LAYOUTS[:2]))
     case = Case(op, world, shape, dim, counts, dtype=dtype, layout=layout)
     if op == "gather":
-        case = replace(case, strategy=draw(st.sampled_from(STRATEGIES)), dst=draw(st.none() | st.integers(0, world - 1)))
+        case = replace(
+            case, strategy=draw(st.sampled_from(STRATEGIES)), dst=draw(st.none() | st.integers(0, world - 1))
+        )
     if op == "reduce_scatter":
         ops = REDUCE_OPS if dtype != "int64" else tuple(o for o in REDUCE_OPS if o != "avg")
-        case = replace(case, reduce_op=draw(st.sampled_from(ops)), sizes_as=draw(st.sampled_from(("list", "tensor"))))
+        case = replace(
+            case, reduce_op=draw(st.sampled_from(ops)), sizes_as=draw(st.sampled_from(("list", "tensor")))
+        )
     if op == "all_to_all_v":
         case = replace(case, sizes_as=draw(st.sampled_from(("list", "tensor"))), exchange=draw(st.booleans()))
     # float64 cases carry gradients wherever the op has them (not gather with a dst, not max/min/product)
@@ -266,7 +287,9 @@ def loss(case: Case, out: Any, rank: int) -> Tensor:
 
     if case.op == "all_gather_list":  # one piece left out: its gradient must be zero
         skip = (rank + 1) % case.world if case.world > 1 else None
-        return sum((weighted(y, 1 + i) for i, y in enumerate(out) if i != skip), torch.zeros((), dtype=torch.float64))
+        return sum(
+            (weighted(y, 1 + i) for i, y in enumerate(out) if i != skip), torch.zeros((), dtype=torch.float64)
+        )
     y = out[0] if isinstance(out, tuple) else out
     return weighted(y, 1)
 
@@ -284,7 +307,9 @@ def call_op(case: Case, x: Tensor, rank: int) -> Any:
     if case.op == "all_gather_ragged":
         return funcoll.all_gather_ragged(x, case.dim)
     if case.op == "reduce_scatter":
-        return funcoll.reduce_scatter(x, case.dim, op=case.reduce_op, sizes=sizes_arg(case.sizes, case.sizes_as))
+        return funcoll.reduce_scatter(
+            x, case.dim, op=case.reduce_op, sizes=sizes_arg(case.sizes, case.sizes_as)
+        )
     send = sizes_arg(list(case.counts[rank]), case.sizes_as)
     recv = None if case.exchange else sizes_arg([row[rank] for row in case.counts], case.sizes_as)
     return funcoll.all_to_all_v(x, send, recv, dim=case.dim)
@@ -322,24 +347,23 @@ def grad_refusals(rank: int, world: int) -> dict[str, tuple[str, str]]:
     """gather(dst=k) of a requires-grad x, and requires_grad differing across ranks: every rank raises."""
     out: dict[str, tuple[str, str]] = {}
 
-    def attempt(name: str, fn: Callable[[], Any]) -> None:
+    def attempt(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
-            got = fn()
-            out[name] = ("returned", repr(got))
-        except Exception as e:  # recorded for the parent to check on every rank
+            out[name] = ("returned", repr(fn(*args, **kwargs)))
+        except Exception as e:  # noqa: BLE001 -- recorded for the parent to check on every rank
             out[name] = (type(e).__name__, str(e))
 
     x = torch.randn(rank + 1, 3, dtype=torch.float64)
     for k in range(world):
-        attempt(f"dst{k}-requires-grad", lambda: funcoll.gather(x.clone().requires_grad_(), 0, k))
+        attempt(f"dst{k}-requires-grad", funcoll.gather, x.clone().requires_grad_(), 0, k)
     with torch.no_grad():  # without grad mode the same call is fine
-        attempt("dst0-no-grad-mode", lambda: funcoll.gather(x.clone().requires_grad_(), 0, 0))
+        attempt("dst0-no-grad-mode", funcoll.gather, x.clone().requires_grad_(), 0, 0)
     mixed = x.clone().requires_grad_(rank % 2 == 0)
     for strategy in STRATEGIES:
-        attempt(f"mixed-requires-grad-{strategy}", lambda: funcoll.gather(mixed, 0, strategy=strategy))
-    attempt("mixed-requires-grad-dst0", lambda: funcoll.gather(mixed, 0, 0))
-    attempt("mixed-requires-grad-all_gather_ragged", lambda: funcoll.all_gather_ragged(mixed, 0))
-    attempt("after-refusals", lambda: funcoll.gather(x, 0))  # the group still works
+        attempt(f"mixed-requires-grad-{strategy}", funcoll.gather, mixed, 0, strategy=strategy)
+    attempt("mixed-requires-grad-dst0", funcoll.gather, mixed, 0, 0)
+    attempt("mixed-requires-grad-all_gather_ragged", funcoll.all_gather_ragged, mixed, 0)
+    attempt("after-refusals", funcoll.gather, x, 0)  # the group still works
     return out
 
 
@@ -394,7 +418,9 @@ def assert_matches(got: Any, expected: Any, where: str, exact: bool) -> None:
         assert got is None, f"{where}: expected None, got {got!r}"
         return
     if isinstance(expected, (list, tuple)):
-        assert type(got) is type(expected), f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}"
+        assert type(got) is type(expected), (
+            f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}"
+        )
         assert len(got) == len(expected), f"{where}: length {len(got)} != {len(expected)}"
         for i, (g, e) in enumerate(zip(got, expected)):
             assert_matches(g, e, f"{where}[{i}]", exact)
@@ -512,7 +538,13 @@ def test_gather_refuses_requires_grad_mismatch(batches: Batches, world: int) -> 
 
 
 # ----------------------------------------------------------------- uninitialized: one-rank results
-@pytest.mark.parametrize("shape,dim", [pytest.param(s, d, id=f"x{'x'.join(map(str, s))}-dim{d}") for s, d in [((5,), 0), ((3, 5), -1), ((2, 0, 7), 1)]])
+@pytest.mark.parametrize(
+    "shape,dim",
+    [
+        pytest.param(s, d, id=f"x{'x'.join(map(str, s))}-dim{d}")
+        for s, d in [((5,), 0), ((3, 5), -1), ((2, 0, 7), 1)]
+    ],
+)
 def test_uninitialized_is_the_single_rank_result(shape: tuple[int, ...], dim: int) -> None:
     assert not torch.distributed.is_initialized()
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7))
@@ -533,7 +565,11 @@ def test_uninitialized_is_the_single_rank_result(shape: tuple[int, ...], dim: in
 
 # --------------------------------------------------------------------------------- known bugs
 def bool_reduce_scatter(rank: int, world: int) -> dict[str, Any]:
-    x = torch.tensor([True, False, True, False, True]) if rank == 0 else torch.tensor([True, True, False, False, True])
+    x = (
+        torch.tensor([True, False, True, False, True])
+        if rank == 0
+        else torch.tensor([True, True, False, False, True])
+    )
     out: dict[str, Any] = {}
     for rop in ("sum", "product"):
         try:
@@ -559,4 +595,5 @@ def test_reduce_scatter_ragged_bool_sum_product() -> None:
                 assert got[rop].startswith("funcoll.reduce_scatter:"), got[rop]
                 continue
             want = torch.split(expected[rop], [3, 2])[r]
-            torch.testing.assert_close(got[rop], want, rtol=0, atol=0, msg=lambda m: f"rank {r} {rop}: {m}")
+            where = f"rank {r} {rop}"
+            torch.testing.assert_close(got[rop], want, rtol=0, atol=0, msg=lambda m, w=where: f"{w}: {m}")

@@ -1,0 +1,643 @@
+"""Every public funcoll op as a compile-test case: per-rank inputs, the call, a single-process reference.
+
+An :class:`OpCase` holds three things:
+
+- ``inputs(rank, world)``: that rank's inputs, deterministic (seeded by the case id
+  and the rank), so any process can rebuild every rank's inputs;
+- ``call(*inputs)``: the funcoll call that ``torch.compile`` traces. It reads its rank
+  and world from ``funcoll.axis_index()`` / ``funcoll.axis_size()`` (so those are
+  traced too) and works at any world size, the fake process group's 1024 included;
+- ``reference(all_inputs, world)``: every rank's expected outputs, computed in one
+  process from all ranks' inputs with torch.cat / sum / tensor_split, never with
+  funcoll. It is differentiable, so :func:`reference_grads` gets the expected
+  gradients from torch.autograd.
+
+Gradients follow the op's documented backward (``OpCase.grad``):
+
+- ``"adjoint"``: every rank computes a loss; the reference is the gradient of the sum
+  of those losses with respect to every rank's inputs (JAX's convention);
+- ``"replicated"``: the input is the same on every rank (region ops that split in the
+  forward); its gradient is that of the summed loss with respect to the one shared
+  tensor, times the op's `grad_scale`;
+- ``"own"``: the output is replicated and each rank's gradient is already complete
+  (region ops that gather in the forward); rank r's input gradient is that of rank
+  r's own loss, times `grad_scale`;
+- ``"none"``: forward only.
+
+Each rank's loss is ``sum_k (out_k * weight_k).sum()`` over its floating outputs,
+with seeded weights from :func:`loss_weights`.
+"""
+
+from __future__ import annotations
+
+import traceback
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import funcoll
+from funcoll import compat
+
+__all__ = [
+    "CASES",
+    "CASES_BY_ID",
+    "OpCase",
+    "Outputs",
+    "flatten",
+    "loss_weights",
+    "ragged_sizes",
+    "reference_grads",
+    "run_case",
+    "send_matrix",
+]
+
+Outputs = list[Tensor | None]
+Inputs = tuple[Tensor, ...]
+
+
+# ---------------------------------------------------------------------------- sizes
+def ragged_sizes(world: int, alt: bool = False) -> list[int]:
+    """Each rank's length along the ragged dim; every world >= 2 has a rank with 0 rows.
+
+    ``ragged_sizes(2) == [1, 0]``, ``ragged_sizes(3) == [1, 0, 4]``;
+    ``ragged_sizes(2, alt=True) == [3, 0]``, ``ragged_sizes(3, alt=True) == [3, 0, 2]``.
+    """
+    return [(2 * r + 3) % 5 if alt else (4 * r + 1) % 5 for r in range(world)]
+
+
+def send_matrix(world: int) -> list[list[int]]:
+    """``send_matrix(w)[r][j]``: rows rank r sends to rank j in all_to_all_v (0 and 1 included).
+
+    ``send_matrix(2) == [[1, 3], [2, 0]]``.
+    """
+    return [[(r + 2 * j + 1) % 4 for j in range(world)] for r in range(world)]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return funcoll.axis_index(), funcoll.axis_size()
+
+
+# --------------------------------------------------------------------------- inputs
+def _seed(*key: object) -> int:
+    return zlib.crc32("/".join(map(str, key)).encode())
+
+
+def _randn(key: tuple[object, ...], shape: Sequence[int], noncontig: bool = False) -> Tensor:
+    g = torch.Generator().manual_seed(_seed(*key))
+    if not noncontig:
+        return torch.randn(tuple(shape), generator=g, dtype=torch.float64)
+    # Same kind of values, column-major strides: a transposed view made a leaf.
+    return torch.randn(tuple(reversed(shape)), generator=g, dtype=torch.float64).mT
+
+
+def loss_weights(case_id: str, rank: int, outputs: Outputs) -> list[Tensor | None]:
+    """Seeded weights of rank `rank`'s loss, one per floating output (None for the rest)."""
+    weights: list[Tensor | None] = []
+    for k, out in enumerate(outputs):
+        if out is None or not out.dtype.is_floating_point:
+            weights.append(None)
+        else:
+            weights.append(_randn(("loss", case_id, rank, k), out.shape))
+    return weights
+
+
+def flatten(result: object) -> Outputs:
+    """A funcoll result (tensor, None, tuple or list of tensors) as a flat list."""
+    if isinstance(result, (tuple, list)):
+        return list(result)
+    if result is None or isinstance(result, Tensor):
+        return [result]
+    raise TypeError(f"unexpected funcoll result type {type(result).__name__}")
+
+
+# ------------------------------------------------------------------------------ the case
+@dataclass(frozen=True)
+class OpCase:
+    """One public op under one argument set; see the module docstring."""
+
+    id: str
+    inputs: Callable[[int, int], Inputs]
+    call: Callable[..., Any]
+    reference: Callable[[list[Inputs], int], list[Outputs]]
+    grad: str = "adjoint"  # "adjoint" | "replicated" | "own" | "none"
+    grad_scale: str | None = None  # "up" | "down" | None, for the region ops
+    grad_inputs: tuple[int, ...] = (0,)  # the inputs that require grad
+    exchanges_sizes: bool = False  # the op all_gathers a size header before the data
+    writes_input: int | None = None  # index of an input the op writes in place
+    min_world: int = 1
+
+    def grad_factor(self, world: int) -> float:
+        return {"up": float(world), "down": 1.0 / world, None: 1.0}[self.grad_scale]
+
+
+def _split(t: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
+    return list(torch.split(t, list(sizes), dim))
+
+
+def _same(world: int, out: Outputs) -> list[Outputs]:
+    return [list(out) for _ in range(world)]
+
+
+def _firsts(all_inputs: list[Inputs]) -> list[Tensor]:
+    return [inp[0] for inp in all_inputs]
+
+
+def _shaped(case: str, *shape: int | Callable[[int, int], int], noncontig: bool = False) -> Callable[[int, int], Inputs]:
+    """Inputs of one tensor whose dims are ints or functions of (rank, world)."""
+
+    def build(rank: int, world: int) -> Inputs:
+        dims = [s(rank, world) if callable(s) else s for s in shape]
+        return (_randn((case, rank), dims, noncontig),)
+
+    return build
+
+
+def _replicated(case: str, *shape: int | Callable[[int, int], int]) -> Callable[[int, int], Inputs]:
+    """The same tensor on every rank (seeded by the case alone)."""
+
+    def build(rank: int, world: int) -> Inputs:
+        dims = [s(0, world) if callable(s) else s for s in shape]
+        return (_randn((case, "replicated"), dims),)
+
+    return build
+
+
+def _ragged(rank: int, world: int) -> int:
+    return ragged_sizes(world)[rank]
+
+
+def _ragged_alt(rank: int, world: int) -> int:
+    return ragged_sizes(world, alt=True)[rank]
+
+
+def _send_total(rank: int, world: int) -> int:
+    return sum(send_matrix(world)[rank])
+
+
+# ----------------------------------------------------------------------- even collectives
+def _ring(world: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % world) for i in range(world)]
+
+
+def _call_ppermute_ring(x: Tensor) -> Tensor:
+    return funcoll.ppermute(x, _ring(funcoll.axis_size()))
+
+
+def _call_ppermute_partial(x: Tensor) -> Tensor:
+    return funcoll.ppermute(x, [(0, funcoll.axis_size() - 1)])
+
+
+def _ref_ppermute(pairs: Callable[[int], list[tuple[int, int]]]) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        xs = _firsts(all_inputs)
+        src_of = {d: s for s, d in pairs(world)}
+        return [[xs[src_of[r]] * 1 if r in src_of else torch.zeros_like(xs[r])] for r in range(world)]
+
+    return ref
+
+
+def _call_broadcast_last(x: Tensor) -> Tensor:
+    return funcoll.broadcast(x, src=funcoll.axis_size() - 1)
+
+
+def _call_reduce_scatter_ragged(x: Tensor) -> Tensor:
+    return funcoll.reduce_scatter(x, 0, sizes=ragged_sizes(funcoll.axis_size()))
+
+
+def _ref_reduce_scatter_ragged(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    total = sum(_firsts(all_inputs))
+    return [[piece] for piece in _split(total, ragged_sizes(world), 0)]
+
+
+def _ref_all_to_all(scatter_dim: int, gather_dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        pieces = [torch.tensor_split(x, world, scatter_dim) for x in _firsts(all_inputs)]
+        return [[torch.cat([pieces[i][r] for i in range(world)], gather_dim)] for r in range(world)]
+
+    return ref
+
+
+def _call_axis(x: Tensor) -> Tensor:
+    rank, world = _rank_and_world()
+    return x * rank + world
+
+
+# --------------------------------------------------------------------------- region ops
+def _ref_split(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        return [[torch.tensor_split(all_inputs[r][0], world, dim)[r]] for r in range(world)]
+
+    return ref
+
+
+def _ref_cat(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        return _same(world, [torch.cat(_firsts(all_inputs), dim)])
+
+    return ref
+
+
+def _ref_stack(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        return _same(world, [torch.stack(_firsts(all_inputs), dim)])
+
+    return ref
+
+
+# --------------------------------------------------------------------------- ragged ops
+def _call_gather_dst0(x: Tensor) -> Tensor | None:
+    return funcoll.gather(x, 0, dst=0)
+
+
+def _ref_gather_dst0(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    full = torch.cat(_firsts(all_inputs), 0)
+    return [[full] if r == 0 else [None] for r in range(world)]
+
+
+def _ref_all_gather_list(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    return _same(world, [x * 1 for x in _firsts(all_inputs)])
+
+
+def _ref_all_gather_ragged(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        xs = _firsts(all_inputs)
+        sizes = torch.tensor([x.shape[dim] for x in xs], dtype=torch.int64)
+        return _same(world, [torch.cat(xs, dim), sizes])
+
+    return ref
+
+
+def _call_all_to_all_v_exchanged(x: Tensor) -> tuple[Tensor, Tensor]:
+    rank, world = _rank_and_world()
+    return funcoll.all_to_all_v(x, send_matrix(world)[rank])
+
+
+def _call_all_to_all_v_given(x: Tensor) -> tuple[Tensor, Tensor]:
+    rank, world = _rank_and_world()
+    send = send_matrix(world)
+    return funcoll.all_to_all_v(x, send[rank], [send[i][rank] for i in range(world)])
+
+
+def _ref_all_to_all_v(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    send = send_matrix(world)
+    blocks = [_split(x, send[i], 0) for i, x in enumerate(_firsts(all_inputs))]
+    return [
+        [
+            torch.cat([blocks[i][r] for i in range(world)], 0),
+            torch.tensor([send[i][r] for i in range(world)], dtype=torch.int64),
+        ]
+        for r in range(world)
+    ]
+
+
+# ------------------------------------------------------------------------------- compat
+def _call_compat_all_gather(q: Tensor) -> list[Tensor]:
+    return compat.all_gather(q, funcoll.axis_size(), q.device)
+
+
+def _call_compat_agit_out_inside(x: Tensor) -> Tensor:
+    out = x.new_empty((funcoll.axis_size() * x.shape[0], *x.shape[1:]))
+    compat.all_gather_into_tensor(out, x)
+    return out
+
+
+def _inputs_agit_out_buffer(rank: int, world: int) -> Inputs:
+    out = torch.full((world, 3, 5), -1.0, dtype=torch.float64)  # stack layout, written in place
+    return (out, _randn(("compat.all_gather_into_tensor-out-input", rank), (3, 5)))
+
+
+def _call_compat_agit_out_input(out: Tensor, x: Tensor) -> Tensor:
+    compat.all_gather_into_tensor(out, x)
+    return out.clone()
+
+
+def _ref_agit_out_input(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    stacked = torch.stack([inp[1] for inp in all_inputs], 0)
+    return _same(world, [stacked, stacked])  # the returned clone, then the buffer itself
+
+
+# ------------------------------------------------------------------------------- table
+def _case(id: str, inputs: Callable[[int, int], Inputs] | None = None, **kw: Any) -> OpCase:
+    return OpCase(id=id, inputs=inputs or _shaped(id, 3, 5), **kw)
+
+
+def _twice(rank: int, world: int) -> int:
+    return 2 * world
+
+
+def _twice_plus_one(rank: int, world: int) -> int:
+    return 2 * world + 1
+
+
+CASES: list[OpCase] = [
+    # even collectives
+    _case("all_gather-x3x5-dim0", call=lambda x: funcoll.all_gather(x, 0), reference=_ref_cat(0)),
+    _case(
+        "all_gather-x3x5-dim1-noncontig",
+        _shaped("all_gather-x3x5-dim1-noncontig", 3, 5, noncontig=True),
+        call=lambda x: funcoll.all_gather(x, 1),
+        reference=_ref_cat(1),
+    ),
+    _case(
+        "all_gather-untiled-x3x5-dim0",
+        call=lambda x: funcoll.all_gather(x, 0, tiled=False),
+        reference=_ref_stack(0),
+    ),
+    _case(
+        "all_gather-untiled-x3x5-dim1",
+        call=lambda x: funcoll.all_gather(x, 1, tiled=False),
+        reference=_ref_stack(1),
+    ),
+    _case("all_gather_into_tensor-x3x5", call=funcoll.all_gather_into_tensor, reference=_ref_stack(0)),
+    _case(
+        "reduce_scatter-x2wx5-dim0",
+        _shaped("reduce_scatter-x2wx5-dim0", _twice, 5),
+        call=lambda x: funcoll.reduce_scatter(x, 0),
+        reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, 0)],
+    ),
+    _case(
+        "reduce_scatter-x3x2w-dim-1",
+        _shaped("reduce_scatter-x3x2w-dim-1", 3, _twice),
+        call=lambda x: funcoll.reduce_scatter(x, -1),
+        reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, -1)],
+    ),
+    _case(
+        "reduce_scatter-ragged-sizes-dim0",
+        _shaped("reduce_scatter-ragged-sizes-dim0", lambda r, w: sum(ragged_sizes(w)), 5),
+        call=_call_reduce_scatter_ragged,
+        reference=_ref_reduce_scatter_ragged,
+    ),
+    _case(
+        "all_reduce-x3x5",
+        call=funcoll.all_reduce,
+        reference=lambda xs, w: _same(w, [sum(_firsts(xs))]),
+    ),
+    _case(
+        "all_to_all-x2x3x2wx5-scatter2-gather1",
+        _shaped("all_to_all-x2x3x2wx5-scatter2-gather1", 2, 3, _twice, 5),
+        call=funcoll.all_to_all,
+        reference=_ref_all_to_all(2, 1),
+    ),
+    _case(
+        "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1",
+        _shaped("all_to_all-x2w+1x3x5-uneven-scatter0-gather-1", _twice_plus_one, 3, 5),
+        call=lambda x: funcoll.all_to_all(x, None, 0, -1),
+        reference=_ref_all_to_all(0, -1),
+    ),
+    _case("ppermute-ring-x3x5", call=_call_ppermute_ring, reference=_ref_ppermute(_ring)),
+    _case(
+        "ppermute-first-to-last-x3x5",
+        call=_call_ppermute_partial,
+        reference=_ref_ppermute(lambda w: [(0, w - 1)]),
+        min_world=2,
+    ),
+    _case(
+        "broadcast-src-last-x3x5",
+        call=_call_broadcast_last,
+        reference=lambda xs, w: _same(w, [xs[w - 1][0] * 1]),
+    ),
+    _case("axis_index-axis_size-x3x5", call=_call_axis, reference=lambda xs, w: [[x * r + w] for r, x in enumerate(_firsts(xs))]),
+    # region ops
+    _case(
+        "split_forward_gather_backward-x2w+1x5-dim0",
+        _replicated("split_forward_gather_backward-x2w+1x5-dim0", _twice_plus_one, 5),
+        call=lambda x: funcoll.split_forward_gather_backward(x, None, 0),
+        reference=_ref_split(0),
+        grad="replicated",
+    ),
+    _case(
+        "split_forward_gather_backward-x3x2w+1-dim-1-up",
+        _replicated("split_forward_gather_backward-x3x2w+1-dim-1-up", 3, _twice_plus_one),
+        call=lambda x: funcoll.split_forward_gather_backward(x, None, -1, grad_scale="up"),
+        reference=_ref_split(-1),
+        grad="replicated",
+        grad_scale="up",
+    ),
+    _case(
+        "gather_forward_split_backward-ragged-x_nx5-dim0",
+        _shaped("gather_forward_split_backward-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda x: funcoll.gather_forward_split_backward(x, None, 0),
+        reference=_ref_cat(0),
+        grad="own",
+        exchanges_sizes=True,
+    ),
+    _case(
+        "gather_forward_split_backward-ragged-x3x_n-dim-1-down",
+        _shaped("gather_forward_split_backward-ragged-x3x_n-dim-1-down", 3, _ragged_alt),
+        call=lambda x: funcoll.gather_forward_split_backward(x, None, -1, grad_scale="down"),
+        reference=_ref_cat(-1),
+        grad="own",
+        grad_scale="down",
+        exchanges_sizes=True,
+    ),
+    # ragged ops
+    _case(
+        "gather-auto-ragged-x_nx5-dim0",
+        _shaped("gather-auto-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda x: funcoll.gather(x),
+        reference=_ref_cat(0),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "gather-auto-ragged-x3x_n-dim-1-noncontig",
+        _shaped("gather-auto-ragged-x3x_n-dim-1-noncontig", 3, _ragged_alt, noncontig=True),
+        call=lambda x: funcoll.gather(x, -1),
+        reference=_ref_cat(-1),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "gather-pad-ragged-x_nx5-dim0",
+        _shaped("gather-pad-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda x: funcoll.gather(x, strategy="pad"),
+        reference=_ref_cat(0),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "gather-bcast-ragged-x_nx5-dim0",
+        _shaped("gather-bcast-ragged-x_nx5-dim0", _ragged_alt, 5),
+        call=lambda x: funcoll.gather(x, strategy="bcast"),
+        reference=_ref_cat(0),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "gather-dst0-ragged-x_nx5-dim0-nograd",
+        _shaped("gather-dst0-ragged-x_nx5-dim0-nograd", _ragged, 5),
+        call=_call_gather_dst0,
+        reference=_ref_gather_dst0,
+        grad="none",
+        grad_inputs=(),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "all_gather_list-ragged-x_nx5-dim0",
+        _shaped("all_gather_list-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda x: funcoll.all_gather_list(x),
+        reference=_ref_all_gather_list,
+        exchanges_sizes=True,
+    ),
+    _case(
+        "all_gather_ragged-ragged-x3x_n-dim1",
+        _shaped("all_gather_ragged-ragged-x3x_n-dim1", 3, _ragged_alt),
+        call=lambda x: funcoll.all_gather_ragged(x, 1),
+        reference=_ref_all_gather_ragged(1),
+        exchanges_sizes=True,
+    ),
+    _case(
+        "all_to_all_v-recv-exchanged-x_nx5",
+        _shaped("all_to_all_v-recv-exchanged-x_nx5", _send_total, 5),
+        call=_call_all_to_all_v_exchanged,
+        reference=_ref_all_to_all_v,
+        exchanges_sizes=True,
+    ),
+    _case(
+        "all_to_all_v-recv-given-x_nx5",
+        _shaped("all_to_all_v-recv-given-x_nx5", _send_total, 5),
+        call=_call_all_to_all_v_given,
+        reference=_ref_all_to_all_v,
+    ),
+    # compat (the seed helpers' signatures)
+    _case(
+        "compat.gather-ragged-x_nx5-dim0",
+        _shaped("compat.gather-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda t: compat.gather(t),
+        reference=_ref_cat(0),
+        exchanges_sizes=True,
+        min_world=2,  # on one rank compat.gather returns its input itself, as the original
+    ),
+    _case(
+        "compat.all_gather-ragged-1d",
+        _shaped("compat.all_gather-ragged-1d", _ragged_alt),
+        call=_call_compat_all_gather,
+        reference=_ref_all_gather_list,
+        exchanges_sizes=True,
+    ),
+    _case(
+        "compat.all_gather_nd-ragged-x_nx2x3",
+        _shaped("compat.all_gather_nd-ragged-x_nx2x3", _ragged, 2, 3),
+        call=compat.all_gather_nd,
+        reference=_ref_all_gather_list,
+        exchanges_sizes=True,
+    ),
+    _case(
+        "compat.all_to_all-x2x3x2wx5",
+        _shaped("compat.all_to_all-x2x3x2wx5", 2, 3, _twice, 5),
+        call=lambda t: compat.all_to_all(t, None),
+        reference=_ref_all_to_all(2, 1),
+    ),
+    _case(
+        "compat.split_forward_gather_backward-x2w+1x5-dim0",
+        _replicated("compat.split_forward_gather_backward-x2w+1x5-dim0", _twice_plus_one, 5),
+        call=lambda t: compat.split_forward_gather_backward(t, None, 0),
+        reference=_ref_split(0),
+        grad="replicated",
+    ),
+    _case(
+        "compat.gather_forward_split_backward-ragged-x_nx5-dim0",
+        _shaped("compat.gather_forward_split_backward-ragged-x_nx5-dim0", _ragged, 5),
+        call=lambda t: compat.gather_forward_split_backward(t, None, 0),
+        reference=_ref_cat(0),
+        grad="own",
+        exchanges_sizes=True,
+    ),
+    _case(
+        "compat.all_gather_into_tensor-x3x5-out-allocated-inside",
+        call=_call_compat_agit_out_inside,
+        reference=_ref_cat(0),
+    ),
+    _case(
+        "compat.all_gather_into_tensor-x3x5-out-buffer-input",
+        _inputs_agit_out_buffer,
+        call=_call_compat_agit_out_input,
+        reference=_ref_agit_out_input,
+        grad="none",
+        grad_inputs=(),
+        writes_input=0,
+    ),
+]
+
+CASES_BY_ID: dict[str, OpCase] = {c.id: c for c in CASES}
+assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"
+
+
+# ------------------------------------------------------------------------------ running
+def _leaves(case: OpCase, inputs: Inputs) -> Inputs:
+    return tuple(
+        t.detach().requires_grad_(i in case.grad_inputs) if case.grad != "none" else t.clone()
+        for i, t in enumerate(inputs)
+    )
+
+
+def _loss(case_id: str, rank: int, outputs: Outputs) -> Tensor | None:
+    terms = [
+        (out * w).sum()
+        for out, w in zip(outputs, loss_weights(case_id, rank, outputs))
+        if w is not None and out is not None and out.requires_grad
+    ]
+    return sum(terms) if terms else None  # type: ignore[return-value]
+
+
+def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Run `fn` (default: ``case.call``, eagerly) on this rank's inputs, then the backward.
+
+    Returns ``{"outputs": [...], "grads": [...]}`` (detached, grads None where an
+    input needs none), or ``{"error": traceback}`` if anything raised.
+    """
+    try:
+        inputs = _leaves(case, case.inputs(rank, world))
+        outputs = flatten((fn or case.call)(*inputs))
+        loss = _loss(case.id, rank, outputs) if case.grad != "none" else None
+        if loss is not None:
+            loss.backward()
+        if case.writes_input is not None:
+            outputs.append(inputs[case.writes_input])
+        return {
+            "outputs": [None if o is None else o.detach().clone() for o in outputs],
+            "grads": [inputs[i].grad for i in case.grad_inputs],
+        }
+    except Exception:
+        return {"error": traceback.format_exc(limit=-8)}
+
+
+def reference_grads(case: OpCase, world: int) -> list[list[Tensor]]:
+    """Every rank's expected input gradients (in ``case.grad_inputs`` order), from torch.autograd."""
+    all_inputs = [case.inputs(r, world) for r in range(world)]
+    factor = case.grad_factor(world)
+
+    def rank_loss(outputs: list[Outputs], r: int) -> Tensor:
+        loss = torch.zeros((), dtype=torch.float64)
+        for out, w in zip(outputs[r], loss_weights(case.id, r, outputs[r])):
+            if w is not None and out is not None:
+                loss = loss + (out * w).sum()
+        return loss
+
+    def grads_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Tensor]:
+        got = torch.autograd.grad(loss, list(leaves), allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g * factor for g, t in zip(got, leaves)]
+
+    if case.grad == "replicated":
+        shared = all_inputs[0][0].detach().requires_grad_()
+        outputs = case.reference([(shared,)] * world, world)
+        g = grads_of(sum(rank_loss(outputs, r) for r in range(world)), [shared])  # type: ignore[arg-type]
+        return [g for _ in range(world)]
+    leaves = [
+        tuple(t.detach().requires_grad_(i in case.grad_inputs) for i, t in enumerate(inp)) for inp in all_inputs
+    ]
+    if case.grad == "own":
+        outputs = case.reference(leaves, world)
+        return [grads_of(rank_loss(outputs, r), [leaves[r][i] for i in case.grad_inputs]) for r in range(world)]
+    outputs = case.reference(leaves, world)
+    total = sum(rank_loss(outputs, r) for r in range(world))
+    flat = [leaves[r][i] for r in range(world) for i in case.grad_inputs]
+    g = grads_of(total, flat)  # type: ignore[arg-type]
+    n = len(case.grad_inputs)
+    return [g[r * n : (r + 1) * n] for r in range(world)]
+
+
+def reference_outputs(case: OpCase, world: int) -> list[Outputs]:
+    """Every rank's expected outputs (detached)."""
+    outs = case.reference([case.inputs(r, world) for r in range(world)], world)
+    return [[None if o is None else o.detach() for o in rank_out] for rank_out in outs]

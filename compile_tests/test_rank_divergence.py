@@ -1,0 +1,278 @@
+"""Ranks that compile different graphs must still issue the same collectives.
+
+Dynamo makes its shape decisions per process: it specializes lengths 0 and 1 into
+static graphs, and marks a dim dynamic (automatic dynamic) only after that process
+saw it change. With ragged inputs the ranks see different local lengths, so rank 0
+may run a graph specialized to 0 rows while rank 3 runs one with a symbolic length.
+funcoll's ragged ops must issue the same collective sequence in all those graphs
+(the size exchange, then a fixed set of collectives), or the ranks would mismatch:
+a gloo error, garbage, or a hang. ``run_ranks``' timeout turns a hang into a failure.
+
+Each case is one compiled function per op and per ``dynamic=`` mode (None, True,
+False), called several times with the lengths {0, 1, 2, 7} spread over the ranks
+and permuted between calls. Forward and input gradients (float64) are compared
+with a single-process reference built from every rank's input.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch._dynamo.backends.registry import lookup_backend
+
+import funcoll
+from funcoll.testing import run_ranks
+
+TIMEOUT = 240.0
+# The local lengths of each call (one row per call, one entry per rank).
+LENGTHS: dict[int, list[list[int]]] = {
+    2: [[1, 7], [0, 2], [7, 1]],
+    4: [[0, 1, 2, 7], [7, 2, 1, 0], [2, 7, 0, 1]],
+}
+# The `dynamic=` modes run per world. On world 4 the default (None) alone already
+# mixes graphs specialized to 0 or 1 with symbolic ones within one call (the second);
+# the other modes run on world 2 to keep the file's runtime down.
+DYNAMIC_MODES: dict[int, tuple[bool | None, ...]] = {2: (None, True, False), 4: (None,)}
+
+
+def _seed(*keys: int) -> int:
+    seed = 29
+    for k in keys:
+        seed = (seed * 1_000_003 + k) % (1 << 62)
+    return seed
+
+
+def _send_matrix(lengths: list[int]) -> list[list[int]]:
+    """all_to_all_v send sizes: rank r sends ceil(n/2) of its n rows to rank r+1, the rest to itself."""
+    world = len(lengths)
+    send = [[0] * world for _ in range(world)]
+    for r, n in enumerate(lengths):
+        send[r][(r + 1) % world] += (n + 1) // 2
+        send[r][r] += n // 2
+    return send
+
+
+# ---------------------------------------------------------------------- the op cases
+@dataclass(frozen=True)
+class Case:
+    """One ragged op: its compiled step, its inputs and its single-process reference."""
+
+    name: str
+    step: Callable[[Tensor, Any], Any]
+    shape: Callable[[list[int], int], tuple[int, ...]]  # (lengths, rank) -> x.shape
+    arg: Callable[[list[int], int], Any]  # (lengths, rank) -> the step's second argument
+    reference: Callable[[list[Tensor], list[int]], list[Tensor | None]]  # -> each rank's y
+    grad: bool = True
+
+
+def _no_arg(lengths: list[int], rank: int) -> None:
+    return None
+
+
+def _cat_everywhere(dim: int) -> Callable[[list[Tensor], list[int]], list[Tensor | None]]:
+    return lambda xs, lengths: [torch.cat(xs, dim)] * len(xs)
+
+
+def _gather_step(strategy: str, dim: int) -> Callable[[Tensor, Any], Tensor | None]:
+    def step(x: Tensor, arg: None) -> Tensor | None:
+        return funcoll.gather(x, dim, strategy=strategy)
+
+    return step
+
+
+def _gather_dst_step(x: Tensor, dst: int) -> Tensor | None:
+    return funcoll.gather(x, 0, dst=dst)
+
+
+def _gather_dst_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:
+    dst = len(xs) - 1
+    return [torch.cat(xs) if r == dst else None for r in range(len(xs))]
+
+
+def _all_gather_ragged_step(x: Tensor, arg: None) -> tuple[Tensor, Tensor]:
+    return funcoll.all_gather_ragged(x, 0)
+
+
+def _gfsb_step(x: Tensor, arg: None) -> Tensor:
+    return funcoll.gather_forward_split_backward(x, None, 0)
+
+
+def _gfsb_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:
+    # The backward keeps this rank's slice of its own gradient: other ranks' pieces
+    # enter rank r's output as constants.
+    return [torch.cat([x if i == r else x.detach() for i, x in enumerate(xs)]) for r in range(len(xs))]
+
+
+def _all_to_all_v_step(x: Tensor, send_sizes: Tensor) -> tuple[Tensor, Tensor]:
+    return funcoll.all_to_all_v(x, send_sizes)
+
+
+def _all_to_all_v_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:
+    send = _send_matrix(lengths)
+    world = len(xs)
+
+    def block(i: int, r: int) -> Tensor:
+        return xs[i][sum(send[i][:r]) : sum(send[i][: r + 1])]
+
+    return [torch.cat([block(i, r) for i in range(world)]) for r in range(world)]
+
+
+def _reduce_scatter_step(x: Tensor, sizes: list[int]) -> Tensor:
+    return funcoll.reduce_scatter(x, 0, sizes=sizes)
+
+
+def _reduce_scatter_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:
+    total = sum(xs)
+    offsets = [sum(lengths[:r]) for r in range(len(xs) + 1)]
+    return [total[offsets[r] : offsets[r + 1]] for r in range(len(xs))]
+
+
+CASES = [
+    Case("gather-auto-x(n,3)-dim0", _gather_step("auto", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
+    Case("gather-pad-x(2,n)-dim-1", _gather_step("pad", -1), lambda ls, r: (2, ls[r]), _no_arg, _cat_everywhere(-1)),
+    Case("gather-bcast-x(n,3)-dim0", _gather_step("bcast", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
+    Case(
+        "gather-dst-last-x(n,3)-dim0", _gather_dst_step, lambda ls, r: (ls[r], 3),
+        lambda ls, r: len(ls) - 1, _gather_dst_reference, grad=False,
+    ),
+    Case(
+        "all_gather_ragged-x(n,3)-dim0", _all_gather_ragged_step, lambda ls, r: (ls[r], 3), _no_arg,
+        _cat_everywhere(0),
+    ),
+    Case(
+        "all_to_all_v-x(n,2)-send-tensor", _all_to_all_v_step, lambda ls, r: (ls[r], 2),
+        lambda ls, r: torch.tensor(_send_matrix(ls)[r]), _all_to_all_v_reference,
+    ),
+    Case(
+        "gather_forward_split_backward-x(n,3)-dim0", _gfsb_step, lambda ls, r: (ls[r], 3), _no_arg,
+        _gfsb_reference,
+    ),
+    Case(
+        "reduce_scatter-x(sum,2)-sizes-list", _reduce_scatter_step, lambda ls, r: (sum(ls), 2),
+        lambda ls, r: list(ls), _reduce_scatter_reference,
+    ),
+]  # fmt: skip
+
+
+def _input(case_index: int, world: int, call: int, rank: int) -> Tensor:
+    case = CASES[case_index]
+    gen = torch.Generator().manual_seed(_seed(case_index, world, call, rank))
+    return torch.randn(case.shape(LENGTHS[world][call], rank), generator=gen, dtype=torch.float64)
+
+
+def _upstream(case_index: int, world: int, call: int, rank: int, shape: torch.Size) -> Tensor:
+    """The weights of rank `rank`'s loss ``(y * w).sum()``."""
+    gen = torch.Generator().manual_seed(_seed(case_index, world, call, rank, 1))
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+
+
+def _reference(case_index: int, world: int, call: int) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """(each rank's y, each rank's x.grad) for the loss summed over ranks, in one process."""
+    case = CASES[case_index]
+    lengths = LENGTHS[world][call]
+    xs = [_input(case_index, world, call, r).requires_grad_(case.grad) for r in range(world)]
+    ys = case.reference(xs, lengths)
+    if not case.grad:
+        return [None if y is None else y.detach() for y in ys], [None] * world
+    loss = sum((y * _upstream(case_index, world, call, r, y.shape)).sum() for r, y in enumerate(ys))
+    return [y.detach() for y in ys], list(torch.autograd.grad(loss, xs))
+
+
+# ---------------------------------------------------------------------------- rank side
+def _run_case(rank: int, world: int, case_index: int, dynamic: bool | None) -> dict[str, Any]:
+    case = CASES[case_index]
+    torch._dynamo.reset()
+    signatures: list[str] = []  # the input and output shapes of each graph this rank compiled
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        outs = [a.meta.get("example_value") for a in gm.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+        shapes = [str(getattr(t, "shape", t)) for t in [*example_inputs, None, *outs]]
+        signatures.append(" ".join(shapes))
+        return aot_eager(gm, example_inputs)
+
+    step = torch.compile(case.step, backend=backend, fullgraph=True, dynamic=dynamic)
+    outputs, grads = [], []
+    try:
+        for call, lengths in enumerate(LENGTHS[world]):
+            x = _input(case_index, world, call, rank).requires_grad_(case.grad)
+            result = step(x, case.arg(lengths, rank))
+            y = result[0] if isinstance(result, tuple) else result
+            if case.grad:
+                (y * _upstream(case_index, world, call, rank, y.shape)).sum().backward()
+            outputs.append(None if y is None else y.detach())
+            grads.append(x.grad)
+    except Exception:
+        return {"error": traceback.format_exc()}
+    return {"outputs": outputs, "grads": grads, "signatures": signatures}
+
+
+def _rank_body(rank: int, world: int) -> dict[tuple[int, bool | None], dict[str, Any]]:
+    return {
+        (i, dynamic): _run_case(rank, world, i, dynamic)
+        for i in range(len(CASES))
+        for dynamic in DYNAMIC_MODES[world]
+    }
+
+
+_RESULTS: dict[int, list[dict[tuple[int, bool | None], dict[str, Any]]] | BaseException] = {}
+
+
+def _results(world: int) -> list[dict[tuple[int, bool | None], dict[str, Any]]]:
+    """One run_ranks call per world, shared by its tests (a failure is cached too)."""
+    if world not in _RESULTS:
+        try:
+            _RESULTS[world] = run_ranks(_rank_body, world, timeout=TIMEOUT)
+        except BaseException as e:  # a hang or a crash: every test of this world reports it
+            _RESULTS[world] = e
+    got = _RESULTS[world]
+    if isinstance(got, BaseException):
+        raise RuntimeError(f"run_ranks on world {world} failed") from got
+    return got
+
+
+# -------------------------------------------------------------------------------- tests
+def _params() -> list[Any]:
+    return [
+        pytest.param(world, i, dynamic, id=f"w{world}-{case.name}-dynamic={dynamic}")
+        for world in LENGTHS
+        for i, case in enumerate(CASES)
+        for dynamic in DYNAMIC_MODES[world]
+    ]
+
+
+@pytest.mark.parametrize("world, case_index, dynamic", _params())
+def test_divergent_graphs_match_reference(world: int, case_index: int, dynamic: bool | None) -> None:
+    per_rank = [r[(case_index, dynamic)] for r in _results(world)]
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    for call, lengths in enumerate(LENGTHS[world]):
+        ref_outputs, ref_grads = _reference(case_index, world, call)
+        for rank, res in enumerate(per_rank):
+            where = f"call {call}, lengths {lengths}, rank {rank}"
+            if ref_outputs[rank] is None:
+                assert res["outputs"][call] is None, where
+            else:
+                torch.testing.assert_close(res["outputs"][call], ref_outputs[rank], msg=lambda e: f"{where}: {e}")
+            if ref_grads[rank] is not None:
+                torch.testing.assert_close(res["grads"][call], ref_grads[rank], msg=lambda e: f"{where}: {e}")
+
+
+@pytest.mark.parametrize(
+    "world, dynamic",
+    [pytest.param(w, d, id=f"w{w}-dynamic={d}") for w, modes in DYNAMIC_MODES.items() for d in modes],
+)
+def test_ranks_really_compiled_different_graphs(world: int, dynamic: bool | None) -> None:
+    """A check of the setup: in every case some ranks traced graphs with different shapes."""
+    for i, case in enumerate(CASES):
+        per_rank = [r[(i, dynamic)] for r in _results(world)]
+        if any("error" in res for res in per_rank):
+            continue  # reported by test_divergent_graphs_match_reference
+        first_graphs = {res["signatures"][0] for res in per_rank}
+        assert len(first_graphs) > 1, (case.name, first_graphs)
