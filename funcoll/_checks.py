@@ -14,6 +14,7 @@ from torch import Tensor
 IntLike = Union[int, torch.SymInt]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+STRATEGIES = ("auto", "pad", "a2a")
 
 
 def check_tensor(op: str, name: str, x: object) -> Tensor:
@@ -83,6 +84,13 @@ def tensor_split_sizes(n: IntLike, parts: int) -> list[IntLike]:
 
 def is_float(x: Tensor) -> bool:
     return x.dtype.is_floating_point or x.dtype.is_complex
+
+
+def wire_op(op: str, dtype: torch.dtype) -> str:
+    """The reduction to run on the wire: bool travels as uint8, where or is max and and is min."""
+    if dtype == torch.bool:
+        return {"sum": "max", "product": "min"}.get(op, op)
+    return op
 
 
 def wire(x: Tensor) -> Tensor:

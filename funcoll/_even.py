@@ -16,6 +16,7 @@ from ._checks import (
     tensor_split_sizes,
     unwire,
     wire,
+    wire_op,
 )
 from ._group import GroupLike, resolve_group
 
@@ -164,7 +165,7 @@ def reduce_scatter(
         y = x.clone()
     else:
         xm = wire(x).movedim(d, 0)
-        y = unwire(_prims.reduce_scatter0(xm, rop, g.name, g.size), x.dtype).movedim(0, d)
+        y = unwire(_prims.reduce_scatter0(xm, wire_op(rop, x.dtype), g.name, g.size), x.dtype).movedim(0, d)
         y = y.contiguous()
     return y.squeeze(d) if not tiled else y
 
@@ -200,7 +201,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     g = resolve_group(name, group)
     if g.is_single:
         return x.clone()
-    return unwire(_prims.all_reduce(wire(x), rop, g.name, g.size), x.dtype)
+    return unwire(_prims.all_reduce(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
 
 
 def all_to_all(

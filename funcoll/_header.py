@@ -17,10 +17,13 @@ then host-to-host, not a second sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from . import _prims
+from ._checks import REDUCE_OPS, STRATEGIES
 from ._group import Group
 
 OPS = ("gather", "all_gather_ragged", "all_gather_list", "all_to_all_v", "reduce_scatter", "gather_forward_split_backward")
@@ -55,21 +58,28 @@ def exchange(
     dim: int,
     g: Group,
     args: tuple[int, int] = (0, 0),
-    send_sizes: Tensor | None = None,
+    sizes: Tensor | None = None,
 ) -> tuple[Tensor, list]:
     """All-gather the headers, check them, and return (table on x.device, host ints).
 
-    The host ints are ``sizes`` (world lengths along `dim`) or, with `send_sizes`,
-    this rank's send sizes followed by its receive sizes. They are Python ints in
-    eager mode and unbacked SymInts in a compiled graph.
+    Every row is ``WIDTH + world`` ints whatever the op, so ranks that call
+    different ragged ops still exchange matching headers and get a clear error.
+    The last `world` columns carry `sizes` (all_to_all_v's send sizes, the ragged
+    reduce_scatter's slice sizes) or zeros. The host ints returned are the sizes
+    along `dim` of every rank; for all_to_all_v this rank's send sizes followed by
+    its receive sizes; for reduce_scatter the (checked) slice sizes. They are Python
+    ints in eager mode and unbacked SymInts in a compiled graph.
     """
     row = [
         OPS.index(opname), x.dim(), _dtype_code(x.dtype), dim, int(x.requires_grad),
         x.shape[dim], args[0], args[1], *_shape_columns(x, dim),
     ]  # fmt: skip
     header = torch.tensor(row, dtype=torch.int64, device=x.device)
-    if send_sizes is not None:
-        header = torch.cat([header, send_sizes.to(device=x.device, dtype=torch.int64).reshape(-1)])
+    if sizes is None:
+        tail = header.new_zeros(g.size)
+    else:
+        tail = sizes.to(device=x.device, dtype=torch.int64).reshape(-1)
+    header = torch.cat([header, tail])
     table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
     host = torch.ops.funcoll.check_header(table, opname, g.rank)
     # Under dynamo the conversion below yields unbacked SymInts; the patch allows that
@@ -97,25 +107,44 @@ def _describe(row: list[int]) -> str:
     return f"shape {tuple(shape)} {dtype}".replace("torch.", "")
 
 
+def _arg_names(opname: str) -> tuple[str | None, str | None]:
+    """What ARG0 and ARG1 carry for each op."""
+    if opname == "gather":
+        return "dst", "strategy"
+    if opname in ("all_gather_ragged", "all_gather_list", "gather_forward_split_backward"):
+        return None, "strategy"
+    if opname == "reduce_scatter":
+        return "op", None
+    return None, None
+
+
+def _arg_value(name: str, code: int) -> object:
+    if name == "dst":
+        return None if code < 0 else code
+    if name == "strategy":
+        return repr(STRATEGIES[code]) if 0 <= code < len(STRATEGIES) else code
+    return repr(REDUCE_OPS[code]) if 0 <= code < len(REDUCE_OPS) else code
+
+
 def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
     op = f"funcoll.{opname}"
     world = len(rows)
 
-    def disagree(what: str, col: int, show=None) -> None:  # type: ignore[no-untyped-def]
-        if len({r[col] for r in rows}) > 1:
-            detail = ", ".join(f"rank {i}: {show(r) if show else r[col]}" for i, r in enumerate(rows))
+    def disagree(what: str, key: Callable[[list[int]], object], show: Callable[[list[int]], object]) -> None:
+        if len({key(r) for r in rows}) > 1:
+            detail = ", ".join(f"rank {i}: {show(r)}" for i, r in enumerate(rows))
             raise ValueError(f"{op}: ranks disagree on {what} ({detail})")
 
     if len({r[OP] for r in rows}) > 1:
         names = ", ".join(f"rank {i}: {OPS[r[OP]] if r[OP] < len(OPS) else '?'}" for i, r in enumerate(rows))
         raise ValueError(f"{op}: ranks called different ragged ops at the same point ({names})")
-    disagree("`x`.ndim", NDIM)
-    disagree("the ragged `dim`", DIM)
-    disagree("`x`.dtype", DTYPE, lambda r: _describe(r).split()[-1])
-    for c in range(SHAPE, WIDTH):
-        disagree("the shape of `x` apart from the ragged dim", c, _describe)
-    disagree("the op's arguments (dst / strategy / op)", ARG0)
-    disagree("the op's arguments (dst / strategy / op)", ARG1)
+    disagree("`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
+    disagree("the ragged `dim`", lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
+    disagree("`x`.dtype", lambda r: r[DTYPE], lambda r: _describe(r).split()[-1] + f" ({_describe(r)})")
+    disagree("the shape of `x` apart from the ragged dim", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
+    for col, name in zip((ARG0, ARG1), _arg_names(opname)):
+        if name is not None:
+            disagree(f"`{name}`", lambda r, c=col: r[c], lambda r, c=col, n=name: _arg_value(n, r[c]))
     if len({r[GRAD] for r in rows}) > 1:
         on = [i for i, r in enumerate(rows) if r[GRAD]]
         off = [i for i, r in enumerate(rows) if not r[GRAD]]
@@ -123,14 +152,24 @@ def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
             f"{op}: `x` requires grad on ranks {on} but not on ranks {off}; the backward is a "
             f"collective that every rank must join, so all ranks or none must require grad"
         )
+    tails = [r[WIDTH : WIDTH + world] for r in rows]
     if opname == "all_to_all_v":
-        for i, r in enumerate(rows):
-            send = r[WIDTH : WIDTH + world]
-            if len(send) != world or any(s < 0 for s in send) or sum(send) != r[SIZE]:
+        for i, (r, send) in enumerate(zip(rows, tails)):
+            if any(s < 0 for s in send) or sum(send) != r[SIZE]:
                 raise ValueError(
                     f"{op}: rank {i} has `send_sizes`={send}, which must be {world} non-negative "
                     f"ints summing to x.shape[dim]={r[SIZE]}"
                 )
+    if opname == "reduce_scatter":
+        if len({tuple(t) for t in tails}) > 1:
+            detail = ", ".join(f"rank {i}: {t}" for i, t in enumerate(tails))
+            raise ValueError(f"{op}: ranks disagree on `sizes` ({detail})")
+        disagree("x.shape[dim]", lambda r: r[SIZE], _describe)
+        if any(n < 0 for n in tails[0]) or sum(tails[0]) != rows[0][SIZE]:
+            raise ValueError(
+                f"{op}: `sizes`={tails[0]} must be {world} non-negative ints summing to "
+                f"x.shape[dim]={rows[0][SIZE]}"
+            )
 
 
 @torch.library.custom_op("funcoll::check_header", mutates_args=())
@@ -138,11 +177,13 @@ def check_header(table: Tensor, opname: str, rank: int) -> Tensor:
     """Check the gathered headers; return this rank's sizes as an int64 CPU tensor."""
     rows = table.tolist()  # device-to-host sync: the one per ragged call; sizes shape the output
     _check_rows(opname, rows, rank)
+    world = len(rows)
     if opname == "all_to_all_v":
-        world = len(rows)
         send = rows[rank][WIDTH : WIDTH + world]
         recv = [r[WIDTH + rank] for r in rows]
         return torch.tensor(send + recv, dtype=torch.int64)
+    if opname == "reduce_scatter":
+        return torch.tensor(rows[rank][WIDTH : WIDTH + world], dtype=torch.int64)
     return torch.tensor([r[SIZE] for r in rows], dtype=torch.int64)
 
 

@@ -184,7 +184,7 @@ def _all_gather_v_impl(
     mine = x.narrow(0, common, extras[rank])
     send = [0 if j == rank else extras[rank] for j in range(size)]
     recv = [0 if i == rank else extras[i] for i in range(size)]
-    payload = mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape(-1, *mine.shape[1:])
+    payload = mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape((size - 1) * mine.shape[0], *mine.shape[1:])
     got = _wait(_F.all_to_all_single(payload.contiguous(), recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result

@@ -16,13 +16,12 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_rank, check_tensor, local_input, unwire, wire
+from ._checks import REDUCE_OPS, STRATEGIES, check_dim, check_rank, check_tensor, local_input, unwire, wire, wire_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import exchange
 
 __all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "mark_ragged"]
 
-STRATEGIES = ("auto", "pad", "a2a")
 IntLike = _prims.IntLike
 
 
@@ -97,15 +96,12 @@ def gather(
     if dst is not None:
         check_rank(op, "dst", dst, g.size)
     if g.is_single:
+        _refuse_grad_to_dst(op, x, dst)
         return x.clone()
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy)[0]
     _, sizes = exchange("gather", x, d, g, args=(dst, strat))
-    if x.requires_grad and torch.is_grad_enabled():  # the same on every rank: the header checked it
-        raise ValueError(
-            f"{op}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
-            f"never join the backward scatter. Use dst=None, or pass x.detach()"
-        )
+    _refuse_grad_to_dst(op, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
     n = sizes[g.rank]
     torch._check(xm.shape[0] == n)
@@ -116,6 +112,14 @@ def gather(
         return None
     got = unwire(got, x.dtype)
     return got if d == 0 else got.movedim(0, d).contiguous()
+
+
+def _refuse_grad_to_dst(op: str, x: Tensor, dst: int | None) -> None:
+    if dst is not None and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{op}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
+            f"never join the backward scatter. Use dst=None, or pass x.detach()"
+        )
 
 
 def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list[Tensor]:
@@ -197,15 +201,38 @@ def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -
 def reduce_scatter_v(
     op: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor, rop: str, g: Group
 ) -> Tensor:
-    """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument)."""
-    sz = _host_sizes(op, "sizes", sizes, g.size)
-    total = sum(sz)
-    if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
-        raise ValueError(f"{op}: `sizes`={sz} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
-    torch._check(total == x.shape[dim])
+    """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument).
+
+    The sizes travel in the header exchange, so ranks that pass different `sizes`,
+    shapes or ops all raise instead of reducing the wrong rows.
+    """
+    if isinstance(sizes, Tensor) and sizes.device.type != "cpu":
+        # Kept on its device: the header exchange carries it, and the one sync of the
+        # call (reading the gathered header) checks it, on every rank.
+        if sizes.shape != (g.size,) or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
+            raise ValueError(
+                f"{op}: `sizes` must be an int tensor of shape ({g.size},), got {sizes.dtype} {tuple(sizes.shape)}"
+            )
+        given, sizes_t = None, sizes
+    else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
+        given = _host_sizes(op, "sizes", sizes, g.size)
+        total = sum(given)
+        if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
+            raise ValueError(f"{op}: `sizes`={given} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
+        sizes_t = torch.tensor(given, dtype=torch.int64)
     if g.is_single:
+        if given is None:
+            given = _host_sizes(op, "sizes", sizes_t, 1)
+            if given[0] != x.shape[dim]:
+                raise ValueError(f"{op}: `sizes`={given} sums to {given[0]}, but x.shape[{dim}]={x.shape[dim]}")
         return x.clone()
-    y = _prims.reduce_scatter_v(wire(x).movedim(dim, 0), sz, rop, g.name, g.size, g.rank)
+    _, sz = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
+    if given is not None:  # the sizes were static here: keep them static in a compiled graph
+        for u, n in zip(sz, given):
+            torch._check(u == n)
+        sz = given
+    torch._check(sum(sz) == x.shape[dim])
+    y = _prims.reduce_scatter_v(wire(x).movedim(dim, 0), sz, wire_op(rop, x.dtype), g.name, g.size, g.rank)
     y = unwire(y, x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
@@ -268,7 +295,7 @@ def all_to_all_v(
             send = _host_sizes(op, "send_sizes", send_t, 1)
             _check_total(op, send, x, d)
             return x.clone(), send_t.to(device=x.device, dtype=torch.int64).clone()
-        table, ints = exchange("all_to_all_v", x, d, g, send_sizes=send_t)
+        table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
         from ._header import WIDTH
 

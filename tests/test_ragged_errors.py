@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import run_ranks
 
 WORLDS = (2, 3)
 TIMEOUT = 90.0
@@ -396,13 +396,6 @@ def gather_vs_all_to_all_v(rank: int, world: int) -> dict[str, tuple[str, str]]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(RankError, TimeoutError),
-    reason="funcoll bug: all_to_all_v's header is world ints longer than the other ragged ops' "
-    "headers, so when one rank calls all_to_all_v and another gather/all_gather_ragged the header "
-    "all_gather itself mismatches and gloo aborts the process (SIGABRT) before any check runs",
-)
 def test_all_to_all_v_vs_other_ragged_op_raises_on_every_rank() -> None:
     for rank, res in enumerate(run_ranks(gather_vs_all_to_all_v, 2, timeout=30)):
         for name, (kind, msg) in res.items():
@@ -415,11 +408,6 @@ def reduce_scatter_sizes_disagree(rank: int, world: int) -> tuple[str, str]:
     return attempt(lambda: funcoll.reduce_scatter(torch.arange(4.0), sizes=[3, 1] if rank == 0 else [2, 2]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="funcoll bug: the ragged reduce_scatter exchanges no header, so ranks passing different "
-    "`sizes` get silently wrong rows (rank 0 [0., 2., 2.], rank 1 [5., 3.]) instead of a ValueError",
-)
 def test_reduce_scatter_sizes_disagree_raises_on_every_rank() -> None:
     for rank, (kind, msg) in enumerate(run_ranks(reduce_scatter_sizes_disagree, 2, timeout=30)):
         assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"
