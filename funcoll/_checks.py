@@ -86,6 +86,11 @@ def is_float(x: Tensor) -> bool:
     return x.dtype.is_floating_point or x.dtype.is_complex
 
 
+def fresh(x: Tensor) -> Tensor:
+    """A new contiguous copy: what an op returns when it has nothing to communicate."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def wire_op(op: str, dtype: torch.dtype) -> str:
     """The reduction to run on the wire: bool travels as uint8, where or is max and and is min."""
     if dtype == torch.bool:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import (
+    fresh,
     check_dim,
     check_rank,
     check_reduce_op,
@@ -72,7 +73,7 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
     d = check_dim(op, x, dim, extra=0 if tiled else 1)
     g = resolve_group(op, group)
     if g.is_single:
-        return x.clone() if tiled else x.unsqueeze(d).clone()
+        return fresh(x) if tiled else fresh(x.unsqueeze(d))
     gathered = unwire(_prims.all_gather0(wire(x), g.name, g.size), x.dtype)
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
@@ -162,7 +163,7 @@ def reduce_scatter(
             f"pass `sizes` for a ragged reduce-scatter"
         )
     if g.is_single:
-        y = x.clone()
+        y = fresh(x)
     else:
         xm = wire(x).movedim(d, 0)
         y = unwire(_prims.reduce_scatter0(xm, wire_op(rop, x.dtype), g.name, g.size), x.dtype).movedim(0, d)
@@ -200,7 +201,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
     g = resolve_group(name, group)
     if g.is_single:
-        return x.clone()
+        return fresh(x)
     return unwire(_prims.all_reduce(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
 
 
@@ -239,7 +240,7 @@ def all_to_all(
     gd = check_dim(name, x, gather_dim, "gather_dim")
     g = resolve_group(name, group)
     if g.is_single:
-        return x.clone()
+        return fresh(x)
     pieces = tensor_split_sizes(x.shape[s], g.size)
     mine = pieces[g.rank]
     xm = wire(x).movedim(s, 0)  # (S, *R)
@@ -289,14 +290,16 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     g = resolve_group(name, group)
     pairs = _check_perm(name, perm, g.size)
     if g.is_single:
-        return x.clone() if pairs else torch.zeros_like(x)
+        return fresh(x) if pairs else torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     dst = {s: d for s, d in pairs}.get(g.rank)
     src = {d: s for s, d in pairs}.get(g.rank)
     flat = wire(x).reshape(-1)
     n = flat.shape[0]
     send = [n if j == dst else 0 for j in range(g.size)]
     recv = [n if i == src else 0 for i in range(g.size)]
-    got = _prims.all_to_all_rows(flat, recv, send, g.name)
+    # A rank that sends nothing passes an empty slice of x: still x's data, so the
+    # collective stays tied to x in a graph (and x gets its zero gradient).
+    got = _prims.all_to_all_rows(flat if dst is not None else flat[:0], recv, send, g.name)
     if src is None:
         # Keep the (empty) result in the graph so this rank still joins the backward.
         got = torch.cat([got, flat.new_zeros(n)])
@@ -327,5 +330,5 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     g = resolve_group(name, group)
     check_rank(name, "src", src, g.size)
     if g.is_single:
-        return x.clone()
+        return fresh(x)
     return unwire(_prims.broadcast(wire(x), src, g.name, g.size, g.rank), x.dtype)

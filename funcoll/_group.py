@@ -80,6 +80,11 @@ def resolve_group(op: str, group: GroupLike) -> Group:
         if len(group) != 2 or not isinstance(group[0], DeviceMesh):
             raise TypeError(f"{op}: `group` as a tuple must be (DeviceMesh, mesh_dim), got {group!r}")
         return _from_process_group(_mesh_group(op, group[0], group[1]))
+    if group is not None and not isinstance(group, (dist.ProcessGroup, str)):
+        raise TypeError(
+            f"{op}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
+            f"group name, got {type(group).__name__}"
+        )
     if not dist.is_available() or not dist.is_initialized():
         if group is None:
             return Group.single()
@@ -90,16 +95,11 @@ def resolve_group(op: str, group: GroupLike) -> Group:
         return _from_process_group(dist.group.WORLD)
     if isinstance(group, dist.ProcessGroup):
         return _from_process_group(group)
-    if isinstance(group, str):
-        try:
-            pg = dist.distributed_c10d._resolve_process_group(group)
-        except Exception as e:  # c10d raises RuntimeError/ValueError by version
-            raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group") from e
-        return _from_process_group(pg)
-    raise TypeError(
-        f"{op}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
-        f"group name, got {type(group).__name__}"
-    )
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group)
+    except Exception as e:  # c10d raises RuntimeError/ValueError by version
+        raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group") from e
+    return _from_process_group(pg)
 
 
 def axis_index(group: GroupLike = None) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import REDUCE_OPS, STRATEGIES, check_dim, check_rank, check_tensor, local_input, unwire, wire, wire_op
+from ._checks import fresh, REDUCE_OPS, STRATEGIES, check_dim, check_rank, check_tensor, local_input, unwire, wire, wire_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import exchange
 
@@ -97,7 +97,7 @@ def gather(
         check_rank(op, "dst", dst, g.size)
     if g.is_single:
         _refuse_grad_to_dst(op, x, dst)
-        return x.clone()
+        return fresh(x)
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy)[0]
     _, sizes = exchange("gather", x, d, g, args=(dst, strat))
@@ -147,7 +147,7 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
     d = check_dim(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
-        return [x.clone()]
+        return [fresh(x)]
     y, sizes, _ = ragged_all_gather("all_gather_list", x, d, g)
     return list(torch.split(y, sizes, d))
 
@@ -177,7 +177,7 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
     d = check_dim(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
-        return x.clone(), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
+        return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
     y, _, table = ragged_all_gather("all_gather_ragged", x, d, g)
     from ._header import SIZE
 
@@ -225,7 +225,7 @@ def reduce_scatter_v(
             given = _host_sizes(op, "sizes", sizes_t, 1)
             if given[0] != x.shape[dim]:
                 raise ValueError(f"{op}: `sizes`={given} sums to {given[0]}, but x.shape[{dim}]={x.shape[dim]}")
-        return x.clone()
+        return fresh(x)
     _, sz = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
         for u, n in zip(sz, given):
@@ -294,7 +294,7 @@ def all_to_all_v(
         if g.is_single:
             send = _host_sizes(op, "send_sizes", send_t, 1)
             _check_total(op, send, x, d)
-            return x.clone(), send_t.to(device=x.device, dtype=torch.int64).clone()
+            return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
         from ._header import WIDTH
@@ -308,7 +308,7 @@ def all_to_all_v(
         if g.is_single:
             if recv != send:
                 raise ValueError(f"{op}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
-            return x.clone(), recv_t
+            return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
     y = unwire(_prims.all_to_all_rows(xm, recv, send, g.name), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_t

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, local_input, tensor_split_sizes, unwire, wire
+from ._checks import fresh, check_dim, local_input, tensor_split_sizes, unwire, wire
 from ._group import GroupLike, resolve_group
 from ._header import exchange
 
@@ -111,7 +111,7 @@ def split_forward_gather_backward(
     scale = _check_grad_scale(op, grad_scale)
     g = resolve_group(op, group)
     if g.is_single:
-        return x.clone()
+        return fresh(x)
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank)
 
 
@@ -145,6 +145,6 @@ def gather_forward_split_backward(
     scale = _check_grad_scale(op, grad_scale)
     g = resolve_group(op, group)
     if g.is_single:
-        return x.clone()
+        return fresh(x)
     _, sizes = exchange("gather_forward_split_backward", x, d, g)
     return _GatherForwardSplitBackward.apply(x, d, sizes, scale, g.name, g.size, g.rank)
