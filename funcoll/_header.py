@@ -9,15 +9,24 @@ check costs no extra round trip, and ranks that disagree all raise the same
 ``ValueError`` instead of a backend abort, garbage or a hang.
 
 Reading the table on the host is the single device-to-host sync of a ragged call.
-It happens inside the custom op ``funcoll::check_header`` so that it is one opaque
-step in a compiled graph (its fake returns an int64 CPU tensor of the right
-length), and turning that CPU tensor into the sizes that shape the output is
-then host-to-host, not a second sync.
+In eager code it is one ``.tolist()``; in a compiled graph it happens inside the
+custom op ``funcoll::host_ints``, whose outputs carry the ints as the lengths of
+zero-width tensors, so the sizes become unbacked SymInts (see ``host_ints``).
+
+A dynamo frame may create unbacked sizes from an op's output shape only with
+``torch._dynamo.config.capture_dynamic_output_shape_ops`` on (``fullgraph=True``
+turns it on for its frame), and dynamo reads the setting when a frame starts,
+so it cannot be switched on around the op. funcoll turns it on when it is
+imported, unless the environment says ``FUNCOLL_DYNAMO_CONFIG=0``: without it, a
+ragged op in a frame compiled without ``fullgraph=True`` breaks the graph at its
+size exchange. docs/compile.md says what else this changes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -25,6 +34,8 @@ from torch import Tensor
 from . import _prims
 from ._checks import REDUCE_OPS, STRATEGIES
 from ._group import Group
+
+IntLike = Union[int, torch.SymInt]
 
 OPS = ("gather", "all_gather_ragged", "all_gather_list", "all_to_all_v", "reduce_scatter", "gather_forward_split_backward")
 DTYPES = (
@@ -81,23 +92,52 @@ def exchange(
         tail = sizes.to(device=x.device, dtype=torch.int64).reshape(-1)
     header = torch.cat([header, tail])
     table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
-    host = torch.ops.funcoll.check_header(table, opname, g.rank)
-    # Under dynamo the conversion below yields unbacked SymInts; the patch allows that
-    # without a global config change (fullgraph=True enables it anyway).
-    with _capture_scalars():
-        ints = host.tolist()  # no device sync: `host` is a CPU tensor (the sync was in check_header)
+    return table, host_ints(table, opname, g.rank)
+
+
+def host_ints(t: Tensor, opname: str = "", rank: int = 0) -> list[IntLike]:
+    """The ints a ragged call needs on the host, from a gathered header table or a sizes tensor.
+
+    With an `opname`, `t` is the gathered header table: it is checked (raising on
+    every rank if they disagree) and reduced to the sizes the op needs. Without,
+    `t` is a 1-d int tensor of sizes, returned as is.
+
+    Eager: Python ints, read with one ``.tolist()``. Compiled: unbacked SymInts.
+    The custom op ``funcoll::host_ints`` returns one zero-width tensor per int, of
+    shape ``(int, 0)``, and its fake gives each a fresh unbacked size; the sizes
+    are read off the shapes, so no ``.item()`` enters the graph.
+    """
+    if not torch.compiler.is_compiling():
+        return _read(t, opname, rank)
+    ints = [c.shape[0] for c in torch.ops.funcoll.host_ints(t, opname, rank)]
     for n in ints:
         torch._check(n >= 0)
-    return table, ints
+    return ints
 
 
-def _capture_scalars():  # type: ignore[no-untyped-def]
-    patch = getattr(torch._dynamo, "patch_dynamo_config", None)
-    if patch is None:  # torch without traceable config patches: fullgraph=True still captures
-        import contextlib
+def _read(t: Tensor, opname: str, rank: int) -> list[int]:
+    values = t.tolist()  # device-to-host sync (none for a CPU tensor): the one per ragged call
+    if not opname:
+        return values
+    _check_rows(opname, values, rank)
+    world = len(values)
+    if opname == "all_to_all_v":
+        return values[rank][WIDTH : WIDTH + world] + [r[WIDTH + rank] for r in values]
+    if opname == "reduce_scatter":
+        return values[rank][WIDTH : WIDTH + world]
+    return [r[SIZE] for r in values]
 
-        return contextlib.nullcontext()
-    return patch(capture_scalar_outputs=True)
+
+@torch.library.custom_op("funcoll::host_ints", mutates_args=())
+def _host_ints_op(t: Tensor, opname: str, rank: int) -> list[Tensor]:
+    return [torch.empty((n, 0), dtype=torch.uint8) for n in _read(t, opname, rank)]
+
+
+@_host_ints_op.register_fake
+def _host_ints_fake(t: Tensor, opname: str, rank: int) -> list[Tensor]:
+    ctx = torch.library.get_ctx()
+    n = t.shape[0] * (2 if opname == "all_to_all_v" else 1)
+    return [torch.empty((ctx.new_dynamic_size(), 0), dtype=torch.uint8, device="cpu") for _ in range(n)]
 
 
 def _describe(row: list[int]) -> str:
@@ -172,22 +212,11 @@ def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
             )
 
 
-@torch.library.custom_op("funcoll::check_header", mutates_args=())
-def check_header(table: Tensor, opname: str, rank: int) -> Tensor:
-    """Check the gathered headers; return this rank's sizes as an int64 CPU tensor."""
-    rows = table.tolist()  # device-to-host sync: the one per ragged call; sizes shape the output
-    _check_rows(opname, rows, rank)
-    world = len(rows)
-    if opname == "all_to_all_v":
-        send = rows[rank][WIDTH : WIDTH + world]
-        recv = [r[WIDTH + rank] for r in rows]
-        return torch.tensor(send + recv, dtype=torch.int64)
-    if opname == "reduce_scatter":
-        return torch.tensor(rows[rank][WIDTH : WIDTH + world], dtype=torch.int64)
-    return torch.tensor([r[SIZE] for r in rows], dtype=torch.int64)
+def _allow_unbacked_output_sizes() -> None:
+    # See the module docstring: dynamo reads this when a frame starts, so it has to
+    # be on before any compiled frame that may call a ragged op.
+    if os.environ.get("FUNCOLL_DYNAMO_CONFIG", "1") != "0":
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
-@check_header.register_fake
-def _check_header_fake(table: Tensor, opname: str, rank: int) -> Tensor:
-    n = table.shape[0] * (2 if opname == "all_to_all_v" else 1)
-    return torch.empty(n, dtype=torch.int64, device="cpu")
+_allow_unbacked_output_sizes()

@@ -18,7 +18,7 @@ from torch import Tensor
 from . import _prims
 from ._checks import fresh, REDUCE_OPS, STRATEGIES, check_dim, check_rank, check_tensor, local_input, unwire, wire, wire_op
 from ._group import Group, GroupLike, resolve_group
-from ._header import exchange
+from ._header import SIZE, WIDTH, exchange, host_ints
 
 __all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "mark_ragged"]
 
@@ -179,23 +179,36 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
     y, _, table = ragged_all_gather("all_gather_ragged", x, d, g)
-    from ._header import SIZE
-
     return y, table[:, SIZE].clone()
 
 
-def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -> list[int]:
+def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
+    """`sizes` as world host ints; from a tensor they are unbacked SymInts in a compiled graph."""
     if isinstance(sizes, Tensor):
         if sizes.dim() != 1 or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
             raise ValueError(f"{op}: `{name}` must be a 1-d integer tensor, got {sizes.dtype} {tuple(sizes.shape)}")
-        sizes = sizes.tolist()  # device-to-host sync: the sizes shape the output
+        if sizes.shape[0] != world:
+            raise ValueError(f"{op}: `{name}` has {sizes.shape[0]} entries; it must have {world}, one per rank")
+        values = host_ints(sizes)  # a device-to-host sync for a device tensor: the sizes shape the output
+        if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
+            return values
+        sizes = values
     elif not isinstance(sizes, (list, tuple)):
         raise TypeError(f"{op}: `{name}` must be a list of ints or an int tensor, got {type(sizes).__name__}")
-    if len(sizes) != world or any(isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) for s in sizes):
+    if len(sizes) != world or any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
         raise ValueError(f"{op}: `{name}`={list(sizes)!r} must be {world} ints, one per rank")
-    if any(isinstance(s, int) and s < 0 for s in sizes):
+    if any(s < 0 for s in sizes):
         raise ValueError(f"{op}: `{name}`={list(sizes)!r} has a negative size")
     return list(sizes)
+
+
+def _check_total(op: str, name: str, sizes: Sequence[IntLike], x: Tensor, dim: int) -> None:
+    """`sizes` must add up to ``x.shape[dim]``: a ValueError now, or a runtime assert in a graph."""
+    total = sum(sizes)
+    if torch.compiler.is_compiling():  # sizes may be unbacked SymInts, x.shape[dim] a SymInt
+        torch._check(total == x.shape[dim])
+    elif total != x.shape[dim]:
+        raise ValueError(f"{op}: `{name}`={list(sizes)} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
 
 
 def reduce_scatter_v(
@@ -216,15 +229,11 @@ def reduce_scatter_v(
         given, sizes_t = None, sizes
     else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
         given = _host_sizes(op, "sizes", sizes, g.size)
-        total = sum(given)
-        if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
-            raise ValueError(f"{op}: `sizes`={given} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
+        _check_total(op, "sizes", given, x, dim)
         sizes_t = torch.tensor(given, dtype=torch.int64)
     if g.is_single:
         if given is None:
-            given = _host_sizes(op, "sizes", sizes_t, 1)
-            if given[0] != x.shape[dim]:
-                raise ValueError(f"{op}: `sizes`={given} sums to {given[0]}, but x.shape[{dim}]={x.shape[dim]}")
+            _check_total(op, "sizes", _host_sizes(op, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
     _, sz = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
@@ -289,24 +298,26 @@ def all_to_all_v(
             send_t = send_sizes
         else:
             sz = _host_sizes(op, "send_sizes", send_sizes, g.size)
-            _check_total(op, sz, x, d)
+            _check_total(op, "send_sizes", sz, x, d)
             send_t = torch.tensor(sz, dtype=torch.int64)
         if g.is_single:
-            send = _host_sizes(op, "send_sizes", send_t, 1)
-            _check_total(op, send, x, d)
+            _check_total(op, "send_sizes", _host_sizes(op, "send_sizes", send_t, 1), x, d)
             return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
-        from ._header import WIDTH
-
         recv_t = table[:, WIDTH + g.rank].clone()
     else:
         both = _host_sizes_pair(op, send_sizes, recv_sizes, g.size)
         send, recv = both[: g.size], both[g.size :]
-        _check_total(op, send, x, d)
-        recv_t = torch.tensor(recv, dtype=torch.int64, device=x.device)
+        _check_total(op, "send_sizes", send, x, d)
+        if isinstance(recv_sizes, Tensor):
+            recv_t = fresh(recv_sizes.to(device=x.device, dtype=torch.int64))
+        else:
+            recv_t = torch.tensor(recv, dtype=torch.int64, device=x.device)
         if g.is_single:
-            if recv != send:
+            if torch.compiler.is_compiling():
+                torch._check(recv[0] == send[0])
+            elif recv != send:
                 raise ValueError(f"{op}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
@@ -326,12 +337,6 @@ def _host_sizes_pair(
         both = torch.cat([send.reshape(-1), recv.to(send.device).reshape(-1)])
         return _host_sizes(op, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
     return _host_sizes(op, "send_sizes", send, world) + _host_sizes(op, "recv_sizes", recv, world)
-
-
-def _check_total(op: str, send: Sequence[IntLike], x: Tensor, dim: int) -> None:
-    total = sum(send)
-    if isinstance(total, int) and isinstance(x.shape[dim], int) and total != x.shape[dim]:
-        raise ValueError(f"{op}: `send_sizes`={list(send)} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
 
 
 def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
