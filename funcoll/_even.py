@@ -68,13 +68,17 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         all_gather(x, dim=1)          # both: [[1, 2, 3, 4]]
         all_gather(x, tiled=False)    # both: [[[1, 2]], [[3, 4]]], shape (2, 1, 2)
     """
-    op = "funcoll.all_gather"
+    return _all_gather("funcoll.all_gather", x, dim, group, tiled)
+
+
+def _all_gather(op: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
     x, group = local_input(op, x, group)
     d = check_dim(op, x, dim, extra=0 if tiled else 1)
     g = resolve_group(op, group)
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
-    gathered = unwire(_prims.all_gather0(wire(x), g.name, g.size), x.dtype)
+    # A 0-d x travels as one element (the backends want at least one dim).
+    gathered = unwire(_prims.all_gather0(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype)
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
         return stacked.movedim(0, d).contiguous()
@@ -100,7 +104,7 @@ def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
         # rank 0: x = [0., 0.]        rank 1: x = [1., 1.]
         all_gather_into_tensor(x)     # both: [[0., 0.], [1., 1.]]
     """
-    return all_gather(x, 0, group=group, tiled=False)
+    return _all_gather("funcoll.all_gather_into_tensor", x, 0, group, False)
 
 
 def reduce_scatter(
@@ -120,6 +124,7 @@ def reduce_scatter(
         group: the communicator.
         op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"`` (avg is computed
             as sum / world, so it works on every backend; floating dtypes only).
+            On bool tensors sum is the logical or and product the logical and.
         tiled: with True `dim` is split into world equal slices and rank i keeps
             slice i; with False ``x.shape[dim]`` must equal world and that dim is removed.
         sizes: per-rank slice lengths along `dim` (world ints summing to
@@ -177,7 +182,8 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     Args:
         x: the same shape and dtype on every rank.
         group: the communicator.
-        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``; on bool
+            tensors sum is the logical or and product the logical and.
 
     Returns:
         A new tensor of ``x.shape``.

@@ -53,7 +53,7 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
         sizes = tensor_split_sizes(x.shape[dim], size)
         ctx.sizes = _prims._ctx_ints(sizes)
         start = sum(sizes[:rank])
-        return x.narrow(dim, start, sizes[rank]).contiguous()
+        return fresh(x.narrow(dim, start, sizes[rank]))  # a copy even when the piece is contiguous
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -72,7 +72,7 @@ def weight(case: Case, rank: int, shape: Sequence[int]) -> Tensor:
 
 
 def shape_id(shape: Sequence[int]) -> str:
-    return "x" + "x".join(map(str, shape))
+    return "x" + "x".join(map(str, shape)) if shape else "scalar"
 
 
 def case(fn: str, shape: tuple[int, ...], dtype: torch.dtype, /, *, grad: bool = False,
@@ -80,7 +80,15 @@ def case(fn: str, shape: tuple[int, ...], dtype: torch.dtype, /, *, grad: bool =
     """A Case whose id reads as what it tests, e.g. ``all_gather-x5x7-dim1-tiledTrue-f64-T-grad``
     (``T``: non-contiguous input)."""
     args = "-".join(f"{k}{v}" for k, v in kwargs.items() if k != "perm")
-    parts = [fn, shape_id(shape), args, label, DTYPE_NAMES[dtype], "T" if transposed else "", "grad" if grad else ""]
+    parts = [
+        fn,
+        shape_id(shape),
+        args,
+        label,
+        DTYPE_NAMES[dtype],
+        "T" if transposed else "",
+        "grad" if grad else "",
+    ]
     return Case("-".join(p for p in parts if p), fn, shape, dtype, kwargs, grad, transposed)
 
 
@@ -101,6 +109,8 @@ def even_cases(world: int) -> list[Case]:
         case("all_gather", (2, 5, 7), F64, dim=-2, tiled=True, grad=True),
         case("all_gather", (5, 7), F64, dim=1, tiled=True, grad=True, transposed=True),
         case("all_gather", (7,), F64, dim=0, tiled=True, grad=True),
+        case("all_gather", (0, 5), F32, dim=0, tiled=True),
+        case("all_gather", (5, 0), F32, dim=-1, tiled=False),
         # all_gather, stacked: the new rank axis goes at `dim`
         case("all_gather", (5, 7), F32, dim=0, tiled=False),
         case("all_gather", (5, 7), I64, dim=-1, tiled=False),
@@ -122,6 +132,8 @@ def even_cases(world: int) -> list[Case]:
         case("reduce_scatter", (2, 3 * w, 7), BF16, dim=1, op="min"),
         case("reduce_scatter", (7, 3 * w), F32, dim=-1, op="product"),
         case("reduce_scatter", (7, 3 * w), I64, dim=1, op="product", transposed=True),
+        case("reduce_scatter", (3 * w, 5), BOOL, dim=0, op="sum"),
+        case("reduce_scatter", (5, 3 * w), BOOL, dim=-1, op="product"),
         case("reduce_scatter", (3 * w, 5), F64, dim=0, op="sum", grad=True),
         case("reduce_scatter", (5, 3 * w), F64, dim=-1, op="sum", grad=True, transposed=True),
         case("reduce_scatter", (2, 3 * w, 7), F64, dim=1, op="avg", grad=True),
@@ -138,8 +150,14 @@ def even_cases(world: int) -> list[Case]:
         case("all_reduce", (5, 7), I64, op="min"),
         case("all_reduce", (5, 7), BF16, op="product", transposed=True),
         case("all_reduce", (3, 5), F64, op="product"),
+        case("all_reduce", (0, 5), F32, op="sum"),
+        case("all_reduce", (5, 7), BOOL, op="sum"),
+        case("all_reduce", (5, 7), BOOL, op="product", transposed=True),
+        case("all_reduce", (7,), BOOL, op="max"),
+        case("all_reduce", (7,), BOOL, op="min"),
         case("all_reduce", (5, 7), F64, op="sum", grad=True, transposed=True),
         case("all_reduce", (2, 5, 7), F64, op="avg", grad=True),
+        case("all_reduce", (), F64, op="sum", grad=True),
         # all_to_all: uneven scatter dims follow torch.tensor_split
         case("all_to_all", (2, 5, 3 * w, 3), F32, scatter_dim=2, gather_dim=1),
         case("all_to_all", (5, 7), F32, scatter_dim=1, gather_dim=0),
@@ -151,26 +169,42 @@ def even_cases(world: int) -> list[Case]:
         case("all_to_all", (7, 5), F64, scatter_dim=0, gather_dim=1, grad=True, transposed=True),
         case("all_to_all", (5, 2 * w), F64, scatter_dim=-1, gather_dim=0, grad=True),
         case("all_to_all", (2, 5), F64, scatter_dim=0, gather_dim=1, grad=True),  # pieces of 0 rows (w 3, 4)
+        case("all_to_all", (2, 5), F64, scatter_dim=0, gather_dim=0, grad=True),
         case("all_to_all", (7, 5), F64, scatter_dim=-2, gather_dim=-2, grad=True),
-        # ppermute with full permutations (partial ones: test_ppermute_partial)
+        # ppermute with full permutations (partial ones: partial_perm_cases)
         case("ppermute", (5, 7), F32, perm=ring(w, 1), label="ring+1"),
         case("ppermute", (5, 7), I64, perm=ring(w, -1), label="ring-1", transposed=True),
         case("ppermute", (7,), BF16, perm=[(i, w - 1 - i) for i in range(w)], label="reverse"),
         case("ppermute", (5, 7), F64, perm=ring(w, 1), label="ring+1", grad=True, transposed=True),
         case("ppermute", (3, 5), F64, perm=[(i, w - 1 - i) for i in range(w)], label="reverse", grad=True),
+        case("ppermute", (), F64, perm=ring(w, 1), label="ring+1", grad=True),
         # broadcast
         case("broadcast", (5, 7), F32, src=0),
         case("broadcast", (5, 7), I64, src=w - 1),
         case("broadcast", (5, 7), BF16, src=w // 2, transposed=True),
         case("broadcast", (5, 7), F64, src=0, grad=True),
         case("broadcast", (7, 5), F64, src=w - 1, grad=True, transposed=True),
-    ]
+        case("broadcast", (), F64, src=w - 1, grad=True),
+    ] + (partial_perm_cases(w) if w > 1 else [])
     assert len({c.id for c in cases}) == len(cases), "case ids must be unique"
     return cases
 
 
+def scalar_gather_cases() -> list[Case]:
+    """all_gather of 0-d tensors: stacking gives shape (world,)."""
+    return [
+        case("all_gather_into_tensor", (), F64, grad=True),
+        case("all_gather", (), F32, dim=0, tiled=False),
+        case("all_gather", (), F64, dim=-1, tiled=False, grad=True),
+    ]
+
+
+def scalar_gather_body(rank: int, world: int) -> dict[str, Any]:
+    return {c.id: run_case(c, rank) for c in scalar_gather_cases()}
+
+
 def partial_perm_cases(world: int) -> list[Case]:
-    """ppermute where some ranks send or receive nothing (world >= 2)."""
+    """ppermute where some ranks send or receive nothing: they get zeros and a zero gradient (world >= 2)."""
     w = world
     chain = [(i, i + 1) for i in range(w - 1)]  # rank 0 receives nothing, rank w-1 sends nothing
     return [
@@ -201,17 +235,43 @@ def bad_calls_in_ranks(world: int) -> list[BadCall]:
     w = world
     calls = [
         BadCall("all_gather-dim2", lambda w: funcoll.all_gather(X57, 2), ValueError, "all_gather", "`dim`=2"),
-        BadCall("all_to_all-scatter_dim-3",
-                lambda w: funcoll.all_to_all(X57, None, -3, 0), ValueError, "all_to_all", "`scatter_dim`=-3"),
-        BadCall("all_reduce-op-mean",
-                lambda w: funcoll.all_reduce(X57, op="mean"), ValueError, "all_reduce", "`op`='mean'"),
-        BadCall("reduce_scatter-tiledF-x5x7",
-                lambda w: funcoll.reduce_scatter(X57, 0, tiled=False), ValueError, "reduce_scatter", "tiled=False"),
-        BadCall("ppermute-perm-dst-w",
-                lambda w: funcoll.ppermute(X57, [(0, w)]), ValueError, "ppermute", f"`perm`={w}"),
-        BadCall("ppermute-perm-str", lambda w: funcoll.ppermute(X57, "ring"), TypeError, "ppermute", "`perm`"),
-        BadCall("broadcast-src-w", lambda w: funcoll.broadcast(X57, w), ValueError, "broadcast", f"`src`={w}"),
-        BadCall("broadcast-src-neg", lambda w: funcoll.broadcast(X57, -1), ValueError, "broadcast", "`src`=-1"),
+        BadCall(
+            "all_to_all-scatter_dim-3",
+            lambda w: funcoll.all_to_all(X57, None, -3, 0),
+            ValueError,
+            "all_to_all",
+            "`scatter_dim`=-3",
+        ),
+        BadCall(
+            "all_reduce-op-mean",
+            lambda w: funcoll.all_reduce(X57, op="mean"),
+            ValueError,
+            "all_reduce",
+            "`op`='mean'",
+        ),
+        BadCall(
+            "reduce_scatter-tiledF-x5x7",
+            lambda w: funcoll.reduce_scatter(X57, 0, tiled=False),
+            ValueError,
+            "reduce_scatter",
+            "tiled=False",
+        ),
+        BadCall(
+            "ppermute-perm-dst-w",
+            lambda w: funcoll.ppermute(X57, [(0, w)]),
+            ValueError,
+            "ppermute",
+            f"`perm`={w}",
+        ),
+        BadCall(
+            "ppermute-perm-str", lambda w: funcoll.ppermute(X57, "ring"), TypeError, "ppermute", "`perm`"
+        ),
+        BadCall(
+            "broadcast-src-w", lambda w: funcoll.broadcast(X57, w), ValueError, "broadcast", f"`src`={w}"
+        ),
+        BadCall(
+            "broadcast-src-neg", lambda w: funcoll.broadcast(X57, -1), ValueError, "broadcast", "`src`=-1"
+        ),
     ]
     if w > 1:
         calls += [
@@ -234,7 +294,8 @@ def run_case(c: Case, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "y": y.detach(),
         "contiguous": y.is_contiguous(),
-        "aliases_x": y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
+        # Empty tensors all have data_ptr 0; only non-empty ones can alias.
+        "aliases_x": x.numel() > 0 and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
     }
     if c.grad:
         (y * weight(c, rank, y.shape)).sum().backward()
@@ -245,7 +306,26 @@ def run_case(c: Case, rank: int) -> dict[str, Any]:
 def bad_call_outcome(b: BadCall, world: int) -> tuple[str, str]:
     try:
         b.call(world)
-    except Exception as e:  # recorded; the parent checks the type and the message
+    except Exception as e:  # noqa: BLE001 (recorded; the parent checks the type and the message)
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+NO_GRAD_OPS = [
+    ("all_reduce", "max"),
+    ("all_reduce", "product"),
+    ("reduce_scatter", "min"),
+    ("reduce_scatter", "max"),
+]
+
+
+def no_grad_outcome(fn: str, op: str, rank: int, world: int) -> tuple[str, str]:
+    """Backward through an op without a gradient: every rank must raise the same error."""
+    x = seeded((2 * world, 3), F64, "no-grad", fn, op, rank).requires_grad_(True)
+    y = getattr(funcoll, fn)(x, op=op)
+    try:
+        y.sum().backward()
+    except Exception as e:  # noqa: BLE001 (recorded; the parent checks the type and the message)
         return type(e).__name__, str(e)
     return "no error", ""
 
@@ -253,36 +333,37 @@ def bad_call_outcome(b: BadCall, world: int) -> tuple[str, str]:
 def even_body(rank: int, world: int) -> dict[str, Any]:
     # The last rank alone makes the bad calls first: had any of them sent something, the
     # collectives of the batch below would be mismatched across ranks and fail.
-    errors = {b.id: bad_call_outcome(b, world) for b in bad_calls_in_ranks(world)} if rank == world - 1 else {}
+    errors = (
+        {b.id: bad_call_outcome(b, world) for b in bad_calls_in_ranks(world)} if rank == world - 1 else {}
+    )
     results = {c.id: run_case(c, rank) for c in even_cases(world)}
+    no_grad = {(fn, op): no_grad_outcome(fn, op, rank, world) for fn, op in NO_GRAD_OPS} if world > 1 else {}
     # All ranks are still in step: one more collective checks it.
     check = funcoll.all_reduce(torch.ones(1))
-    return {"results": results, "errors": errors, "final_all_reduce": check}
+    return {"results": results, "errors": errors, "no_grad": no_grad, "final_all_reduce": check}
 
 
-def partial_perm_body(rank: int, world: int) -> dict[str, Any]:
-    return {c.id: run_case(c, rank) for c in partial_perm_cases(world)}
-
-
-_BATCHES: dict[int, list[Any] | BaseException] = {}
+_BATCHES: dict[int, list[Any]] = {}
+_FAILURES: dict[int, Exception] = {}
 
 
 def even_batch(world: int) -> list[dict[str, Any]]:
     """The main batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES:
+    if world not in _BATCHES and world not in _FAILURES:
         try:
             _BATCHES[world] = run_ranks(even_body, world, timeout=TIMEOUT_S)
         except (RankError, TimeoutError) as e:
-            _BATCHES[world] = e
-    got = _BATCHES[world]
-    if isinstance(got, BaseException):
-        raise RuntimeError(f"the world-{world} batch failed") from got
-    return got
+            _FAILURES[world] = e
+    if world in _FAILURES:
+        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
+    return _BATCHES[world]
 
 
 # --------------------------------------------------------------------------- reference
 def reduce_over_ranks(stacked: Tensor, op: str, world: int) -> Tensor:
     """Reduce the rank axis (dim 0) of `stacked` in one process."""
+    if stacked.dtype == BOOL:  # torch's bool sum and product: logical or and and
+        return stacked.any(0) if op in ("sum", "max") else stacked.all(0)
     if op == "sum":
         return stacked.sum(0)
     if op == "avg":
@@ -338,7 +419,7 @@ def check_forward(c: Case, world: int, results: list[dict[str, Any]]) -> None:
         got = results[r]
         # Integer-valued inputs make every non-float64 result exact; float64 sums may round differently.
         exact = {} if c.dtype == F64 else {"rtol": 0, "atol": 0}
-        torch.testing.assert_close(got["y"], expected[r], **exact, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got["y"], expected[r], **exact, msg=lambda m, r=r: f"rank {r}: {m}")
         assert not got["aliases_x"], f"rank {r}: the result shares memory with x"
 
 
@@ -347,7 +428,7 @@ def check_grads(c: Case, world: int, results: list[dict[str, Any]]) -> None:
     for r in range(world):
         got = results[r]["grad"]
         assert got is not None, f"rank {r}: x.grad is None"
-        torch.testing.assert_close(got, expected[r], msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got, expected[r], msg=lambda m, r=r: f"rank {r}: {m}")
 
 
 # ------------------------------------------------------------------------------- tests
@@ -362,23 +443,11 @@ def test_forward(world: int, c: Case) -> None:
     check_forward(c, world, [res["results"][c.id] for res in results])
 
 
-SINGLE_RANK_CLONE_KEEPS_STRIDES = pytest.mark.xfail(
-    strict=True,
-    reason="funcoll bug: on one rank all_gather returns x.clone() (or x.unsqueeze(dim).clone()), which "
-    "keeps a non-contiguous x's strides, though the docstring promises a contiguous result",
-)
-ALL_GATHER = [
-    pytest.param(w, c, id=f"w{w}-{c.id}", marks=SINGLE_RANK_CLONE_KEEPS_STRIDES if w == 1 and c.transposed else ())
-    for w in WORLDS
-    for c in even_cases(w)
-    if c.op == "all_gather"
-]
-
-
-@pytest.mark.parametrize("world, c", ALL_GATHER)
-def test_all_gather_contiguous(world: int, c: Case) -> None:
+@pytest.mark.parametrize("world, c", FORWARD)
+def test_result_is_contiguous(world: int, c: Case) -> None:
+    """A new contiguous tensor, whatever the input's strides (a single rank included)."""
     for r, res in enumerate(even_batch(world)):
-        assert res["results"][c.id]["contiguous"], f"rank {r}: all_gather promises a contiguous result"
+        assert res["results"][c.id]["contiguous"], f"rank {r}: the result is not contiguous"
 
 
 @pytest.mark.parametrize("world, c", GRADS)
@@ -396,6 +465,18 @@ def test_bad_input_in_ranks(world: int, bad: BadCall) -> None:
     assert bad.fragment in message, message
 
 
+@pytest.mark.parametrize(
+    "world, fn, op",
+    [pytest.param(w, fn, op, id=f"w{w}-{fn}-{op}") for w in WORLDS[1:] for fn, op in NO_GRAD_OPS],
+)
+def test_backward_of_op_without_gradient(world: int, fn: str, op: str) -> None:
+    """max/min/product have no gradient: backward raises NotImplementedError on every rank."""
+    for r, res in enumerate(even_batch(world)):
+        kind, message = res["no_grad"][(fn, op)]
+        assert kind == "NotImplementedError", f"rank {r}: {kind}: {message}"
+        assert message.startswith(f"funcoll.{fn}: no gradient for op={op!r}"), f"rank {r}: {message}"
+
+
 @pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
 def test_ranks_stay_in_step_after_bad_calls(world: int) -> None:
     """The last rank's bad calls sent nothing: a final all_reduce still sums world ones."""
@@ -403,21 +484,23 @@ def test_ranks_stay_in_step_after_bad_calls(world: int) -> None:
         torch.testing.assert_close(res["final_all_reduce"], torch.full((1,), float(world)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RankError,
-    reason="funcoll bug: ppermute on a rank that sends nothing passes all of x to "
-    "all_to_all_single with send splits of all zeros ('Split sizes doesn't match total dim 0 size')",
-)
-@pytest.mark.parametrize("world", (2, 3), ids=["w2", "w3"])
-def test_ppermute_partial(world: int) -> None:
-    """Ranks that receive nothing get zeros; ranks that send nothing get a zero gradient."""
-    results = run_ranks(partial_perm_body, world, timeout=60.0)
-    for c in partial_perm_cases(world):
+@pytest.mark.parametrize("world", (2,), ids=["w2"])
+def test_all_gather_scalar(world: int) -> None:
+    results = run_ranks(scalar_gather_body, world, timeout=60.0)
+    for c in scalar_gather_cases():
         per_rank = [res[c.id] for res in results]
         check_forward(c, world, per_rank)
         if c.grad:
             check_grads(c, world, per_rank)
+
+
+@pytest.mark.parametrize("c", [pytest.param(c, id=f"w1-{c.id}") for c in scalar_gather_cases()])
+def test_all_gather_scalar_single_rank(c: Case) -> None:
+    """Without torch.distributed: the same cases on one rank, where the stack has shape (1,)."""
+    per_rank = [run_case(c, 0)]
+    check_forward(c, 1, per_rank)
+    if c.grad:
+        check_grads(c, 1, per_rank)
 
 
 # ------------------------------------------------------- bad input, single process, no dist
@@ -434,7 +517,7 @@ SINGLE_PROCESS_ERRORS = [
     pytest.param(lambda: funcoll.all_gather(X, 0.0), TypeError, "all_gather", "`dim`", id="all_gather-float-dim"),
     pytest.param(lambda: funcoll.all_gather(torch.tensor(1.0)), ValueError, "all_gather", "`dim`",
                  id="all_gather-0d"),
-    pytest.param(lambda: funcoll.all_gather_into_tensor("x"), TypeError, "all_gather", "`x`",
+    pytest.param(lambda: funcoll.all_gather_into_tensor("x"), TypeError, "all_gather_into_tensor", "`x`",
                  id="all_gather_into_tensor-str-x"),
     pytest.param(lambda: funcoll.reduce_scatter(X, 2), ValueError, "reduce_scatter", "`dim`=2",
                  id="reduce_scatter-x5x7-dim2"),
@@ -446,6 +529,8 @@ SINGLE_PROCESS_ERRORS = [
                  id="reduce_scatter-i64-avg"),
     pytest.param(lambda: funcoll.reduce_scatter(X, 1, tiled=False), ValueError, "reduce_scatter",
                  "tiled=False", id="reduce_scatter-x5x7-dim1-untiled"),
+    pytest.param(lambda: funcoll.reduce_scatter(X, 0, tiled=False, sizes=[5]), ValueError, "reduce_scatter",
+                 "`sizes` is for tiled=True", id="reduce_scatter-untiled-with-sizes"),
     pytest.param(lambda: funcoll.all_reduce(X, op="xor"), ValueError, "all_reduce", "`op`='xor'",
                  id="all_reduce-op-xor"),
     pytest.param(lambda: funcoll.all_reduce(XI, op="avg"), ValueError, "all_reduce", "`op`='avg'",
@@ -469,7 +554,9 @@ SINGLE_PROCESS_ERRORS = [
 
 
 @pytest.mark.parametrize("call, exc, op, fragment", SINGLE_PROCESS_ERRORS)
-def test_bad_input_single_process(call: Callable[[], object], exc: type[Exception], op: str, fragment: str) -> None:
+def test_bad_input_single_process(
+    call: Callable[[], object], exc: type[Exception], op: str, fragment: str
+) -> None:
     assert not dist.is_initialized()
     with pytest.raises(exc) as info:
         call()

@@ -76,7 +76,9 @@ def region_case(op: str, shape: tuple[int, ...], dtype: torch.dtype, dim: int, g
         "T" if transposed else "",
         "grad" if grad else "",
     ]
-    return RegionCase("-".join(p for p in parts if p), op, shape, dtype, dim, grad_scale, grad, transposed, sizes)
+    return RegionCase(
+        "-".join(p for p in parts if p), op, shape, dtype, dim, grad_scale, grad, transposed, sizes
+    )
 
 
 def ragged_sizes(world: int) -> tuple[int, ...]:
@@ -190,7 +192,7 @@ def bad_calls() -> list[BadCall]:
 def bad_call_outcome(b: BadCall) -> tuple[str, str]:
     try:
         b.call()
-    except Exception as e:  # recorded; the parent checks the type and the message
+    except Exception as e:  # noqa: BLE001 (recorded; the parent checks the type and the message)
         return type(e).__name__, str(e)
     return "no error", ""
 
@@ -198,7 +200,12 @@ def bad_call_outcome(b: BadCall) -> tuple[str, str]:
 def run_case(c: RegionCase, rank: int, world: int) -> dict[str, Any]:
     leaf, x = make_input(c, rank, world)
     y = getattr(funcoll, c.op)(x, None, c.dim, c.grad_scale)
-    out: dict[str, Any] = {"y": y.detach()}
+    out: dict[str, Any] = {
+        "y": y.detach(),
+        "contiguous": y.is_contiguous(),
+        # Empty tensors all have data_ptr 0; only non-empty ones can alias.
+        "aliases_x": x.numel() > 0 and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
+    }
     if c.grad:
         downstream_loss(c, y, rank).backward()
         out["grad"] = leaf.grad
@@ -213,20 +220,20 @@ def region_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors}
 
 
-_BATCHES: dict[int, list[Any] | BaseException] = {}
+_BATCHES: dict[int, list[Any]] = {}
+_FAILURES: dict[int, Exception] = {}
 
 
 def region_batch(world: int) -> list[dict[str, Any]]:
     """The batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES:
+    if world not in _BATCHES and world not in _FAILURES:
         try:
             _BATCHES[world] = run_ranks(region_body, world, timeout=TIMEOUT_S)
         except (RankError, TimeoutError) as e:
-            _BATCHES[world] = e
-    got = _BATCHES[world]
-    if isinstance(got, BaseException):
-        raise RuntimeError(f"the world-{world} batch failed") from got
-    return got
+            _FAILURES[world] = e
+    if world in _FAILURES:
+        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
+    return _BATCHES[world]
 
 
 # --------------------------------------------------------------------------- reference
@@ -262,7 +269,26 @@ def test_forward(world: int, c: RegionCase) -> None:
     expected = reference_forward(c, world)
     for r in range(world):
         got = results[r]["results"][c.id]["y"]
-        torch.testing.assert_close(got, expected[r], rtol=0, atol=0, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got, expected[r], rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}")
+
+
+@pytest.mark.parametrize("world, c", FORWARD)
+def test_result_is_contiguous(world: int, c: RegionCase) -> None:
+    for r, res in enumerate(region_batch(world)):
+        assert res["results"][c.id]["contiguous"], f"rank {r}: the result is not contiguous"
+
+
+NEW_TENSOR = [
+    pytest.param(w, c, id=f"w{w}-{c.id}")
+    for w in WORLDS
+    for c in region_cases(w)
+]
+
+
+@pytest.mark.parametrize("world, c", NEW_TENSOR)
+def test_result_does_not_alias_input(world: int, c: RegionCase) -> None:
+    for r, res in enumerate(region_batch(world)):
+        assert not res["results"][c.id]["aliases_x"], f"rank {r}: the result shares memory with x"
 
 
 @pytest.mark.parametrize("world, c", GRADS)
@@ -272,7 +298,7 @@ def test_grad(world: int, c: RegionCase) -> None:
     for r in range(world):
         got = results[r]["results"][c.id]["grad"]
         assert got is not None, f"rank {r}: x.grad is None"
-        torch.testing.assert_close(got, expected[r], msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got, expected[r], msg=lambda m, r=r: f"rank {r}: {m}")
 
 
 @pytest.mark.parametrize("world, bad", IN_RANK_ERRORS)
@@ -292,4 +318,3 @@ def test_bad_input_single_process(bad: BadCall) -> None:
     assert type(info.value) is bad.exc, message
     assert message.startswith(f"funcoll.{bad.op}: "), message
     assert bad.fragment in message, message
-
