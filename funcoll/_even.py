@@ -78,7 +78,9 @@ def _all_gather(op: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> 
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
     # A 0-d x travels as one element (the backends want at least one dim).
-    gathered = unwire(_prims.all_gather0(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype)
+    gathered = unwire(
+        _prims.all_gather0(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
+    )
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
         return stacked.movedim(0, d).contiguous()
@@ -211,9 +213,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     return unwire(_prims.all_reduce(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
 
 
-def all_to_all(
-    x: Tensor, group: GroupLike = None, scatter_dim: int = 2, gather_dim: int = 1
-) -> Tensor:
+def all_to_all(x: Tensor, group: GroupLike = None, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
     """Split `x` along `scatter_dim`, send piece i to rank i, concatenate what arrives along `gather_dim`.
 
     Argument order and defaults follow OpenSora's ``all_to_all`` (sequence-parallel

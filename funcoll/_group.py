@@ -88,9 +88,7 @@ def resolve_group(op: str, group: GroupLike) -> Group:
     if not dist.is_available() or not dist.is_initialized():
         if group is None:
             return Group.single()
-        raise ValueError(
-            f"{op}: `group`={group!r} was given but torch.distributed is not initialized"
-        )
+        raise ValueError(f"{op}: `group`={group!r} was given but torch.distributed is not initialized")
     if group is None:
         return _from_process_group(dist.group.WORLD)
     if isinstance(group, dist.ProcessGroup):

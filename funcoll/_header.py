@@ -37,7 +37,14 @@ from ._group import Group
 
 IntLike = Union[int, torch.SymInt]
 
-OPS = ("gather", "all_gather_ragged", "all_gather_list", "all_to_all_v", "reduce_scatter", "gather_forward_split_backward")
+OPS = (
+    "gather",
+    "all_gather_ragged",
+    "all_gather_list",
+    "all_to_all_v",
+    "reduce_scatter",
+    "gather_forward_split_backward",
+)
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,

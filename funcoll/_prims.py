@@ -129,9 +129,7 @@ def all_reduce(x: Tensor, op: str, name: str, size: int) -> Tensor:
 # ----------------------------------------------------------------------- all_to_all_rows
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], name: str
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], name: str) -> Tensor:
         ctx.recv, ctx.send, ctx.name = _ctx_ints(recv), _ctx_ints(send), name
         return _wait(_F.all_to_all_single(x.contiguous(), recv, send, name))
 
@@ -140,9 +138,7 @@ class _AllToAllRows(torch.autograd.Function):
         return all_to_all_rows(grad, ctx.send, ctx.recv, ctx.name), None, None, None
 
 
-def all_to_all_rows(
-    x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], name: str
-) -> Tensor:
+def all_to_all_rows(x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], name: str) -> Tensor:
     """Send ``send[j]`` rows of `x` (in order) to rank j; receive ``recv[i]`` rows from rank i."""
     return _AllToAllRows.apply(x, list(recv), list(send), name)
 
@@ -184,7 +180,9 @@ def _all_gather_v_impl(
     mine = x.narrow(0, common, extras[rank])
     send = [0 if j == rank else extras[rank] for j in range(size)]
     recv = [0 if i == rank else extras[i] for i in range(size)]
-    payload = mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape((size - 1) * mine.shape[0], *mine.shape[1:])
+    payload = (
+        mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape((size - 1) * mine.shape[0], *mine.shape[1:])
+    )
     got = _wait(_F.all_to_all_single(payload.contiguous(), recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
@@ -308,8 +306,6 @@ def all_gather_v(
     return _AllGatherV.apply(x, list(sizes), common, name, size, rank)
 
 
-def reduce_scatter_v(
-    x: Tensor, sizes: Sequence[IntLike], op: str, name: str, size: int, rank: int
-) -> Tensor:
+def reduce_scatter_v(x: Tensor, sizes: Sequence[IntLike], op: str, name: str, size: int, rank: int) -> Tensor:
     """Ragged reduce-scatter along dim 0: ``(sum(sizes), *R) -> (sizes[rank], *R)``."""
     return _ReduceScatterV.apply(x, list(sizes), op, name, size, rank)

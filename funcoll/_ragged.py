@@ -16,7 +16,18 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import fresh, REDUCE_OPS, STRATEGIES, check_dim, check_rank, check_tensor, local_input, unwire, wire, wire_op
+from ._checks import (
+    fresh,
+    REDUCE_OPS,
+    STRATEGIES,
+    check_dim,
+    check_rank,
+    check_tensor,
+    local_input,
+    unwire,
+    wire,
+    wire_op,
+)
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, exchange, host_ints
 
@@ -186,9 +197,13 @@ def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -
     """`sizes` as world host ints; from a tensor they are unbacked SymInts in a compiled graph."""
     if isinstance(sizes, Tensor):
         if sizes.dim() != 1 or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
-            raise ValueError(f"{op}: `{name}` must be a 1-d integer tensor, got {sizes.dtype} {tuple(sizes.shape)}")
+            raise ValueError(
+                f"{op}: `{name}` must be a 1-d integer tensor, got {sizes.dtype} {tuple(sizes.shape)}"
+            )
         if sizes.shape[0] != world:
-            raise ValueError(f"{op}: `{name}` has {sizes.shape[0]} entries; it must have {world}, one per rank")
+            raise ValueError(
+                f"{op}: `{name}` has {sizes.shape[0]} entries; it must have {world}, one per rank"
+            )
         values = host_ints(sizes)  # a device-to-host sync for a device tensor: the sizes shape the output
         if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
             return values

@@ -66,7 +66,14 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
 class _GatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, dim: int, sizes: list[IntLike], scale: str | None, name: str, size: int, rank: int
+        ctx: Any,
+        x: Tensor,
+        dim: int,
+        sizes: list[IntLike],
+        scale: str | None,
+        name: str,
+        size: int,
+        rank: int,
     ) -> Tensor:
         y = unwire(_prims.gather_rows(wire(x).movedim(dim, 0), sizes, "auto", name, size, rank), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()

@@ -83,9 +83,7 @@ def all_gather_nd(tensor: Tensor) -> list[Tensor]:
     return _ragged.all_gather_list(tensor, 0)
 
 
-def all_to_all(
-    input_: Tensor, process_group: GroupLike, scatter_dim: int = 2, gather_dim: int = 1
-) -> Tensor:
+def all_to_all(input_: Tensor, process_group: GroupLike, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
     """OpenSora's ``all_to_all``: :func:`funcoll.all_to_all` with its argument names."""
     return _even.all_to_all(input_, process_group, scatter_dim, gather_dim)
 
@@ -137,7 +135,9 @@ def all_gather_into_tensor(
             f"x input ({input_tensor.numel()})"
         )
     if output_tensor.dtype != input_tensor.dtype:
-        raise TypeError(f"{op}: `output_tensor` is {output_tensor.dtype} but `input_tensor` is {input_tensor.dtype}")
+        raise TypeError(
+            f"{op}: `output_tensor` is {output_tensor.dtype} but `input_tensor` is {input_tensor.dtype}"
+        )
     result = _even.all_gather_into_tensor(input_tensor, group=group)
     output_tensor.copy_(result.view(output_tensor.shape))
     return _Completed() if async_op else None

@@ -76,7 +76,9 @@ def _tour(rank: int, world: int) -> list[tuple[str, bool, str]]:
         sz = _lengths(world, i)
         ref = torch.cat([_rank_rows(r, n) for r, n in enumerate(sz)]).square().sum()
         ok &= bool(torch.allclose(step(funcoll.mark_ragged(_rank_rows(rank, sz[rank]))), ref))
-    lines.append(("compiled gather", ok and counter.frame_count == 1, f"5 size sets, {counter.frame_count} compile"))
+    lines.append(
+        ("compiled gather", ok and counter.frame_count == 1, f"5 size sets, {counter.frame_count} compile")
+    )
     return lines
 
 

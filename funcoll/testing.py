@@ -104,7 +104,9 @@ def run_ranks(
     os.close(fd)
     os.unlink(store_path)
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, store_path, results, args, backend, timeout), daemon=True)
+        ctx.Process(
+            target=_worker, args=(fn, r, world, store_path, results, args, backend, timeout), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
