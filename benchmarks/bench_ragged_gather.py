@@ -8,7 +8,7 @@ times side by side (median of `iters` barrier-fenced runs after a warm-up):
 - ``baseline``: ``torch.ops._c10d_functional.all_gather_into_tensor`` + ``wait_tensor``
   of an even shard holding the same total bytes (it allocates its output, like every
   functional op). Every other row is a ratio to this one.
-- ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``bcast``.
+- ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``a2a``.
 - ``pad+list (seed 000)``: the widely copied recipe of the ragged ``gather`` helper:
   all_gather the sizes, ``.item()`` each, pad to the max, ``dist.all_gather`` into a
   list, cut the padding and ``torch.cat``.
@@ -64,7 +64,7 @@ def _pad_list_gather_seed000(x: torch.Tensor, world: int) -> torch.Tensor:
     padded[: x.shape[0]] = x
     parts = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+    return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=False)])
 
 
 def _pad_list_gather_seed001(x: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -77,7 +77,7 @@ def _pad_list_gather_seed001(x: torch.Tensor, world: int) -> list[torch.Tensor]:
         x = torch.cat((x, torch.zeros((missing, *x.shape[1:]), dtype=x.dtype)))
     parts = [torch.zeros_like(x) for _ in range(world)]
     dist.all_gather(parts, x)
-    return [p[: s[0]] for p, s in zip(parts, shapes)]
+    return [p[: s[0]] for p, s in zip(parts, shapes, strict=False)]
 
 
 def _gather_object(x: torch.Tensor, world: int) -> list[object]:
@@ -91,6 +91,21 @@ def _layouts(world: int, total_rows: int) -> dict[str, list[int]]:
     return {"equal": [total_rows // world] * world, "skew16": [16 * unit] + [unit] * (world - 1)}
 
 
+def _methods(x: torch.Tensor, even: torch.Tensor, world: int, name: str) -> dict[str, Callable[[], object]]:
+    ops = torch.ops._c10d_functional
+    prealloc = torch.empty(world * even.shape[0], ROW)
+    return {
+        "baseline": lambda: ops.wait_tensor(ops.all_gather_into_tensor(even, world, name)),
+        "funcoll.gather auto": lambda: funcoll.gather(x),
+        "funcoll.gather pad": lambda: funcoll.gather(x, strategy="pad"),
+        "funcoll.gather a2a": lambda: funcoll.gather(x, strategy="a2a"),
+        "pad+list (seed 000)": lambda: _pad_list_gather_seed000(x, world),
+        "pad+list (seed 001)": lambda: _pad_list_gather_seed001(x, world),
+        "all_gather_object": lambda: _gather_object(x, world),
+        "dist.all_gather_into_tensor (prealloc)": lambda: dist.all_gather_into_tensor(prealloc, even),
+    }
+
+
 def _bench(rank: int, world: int, mb: int, iters: int) -> dict[str, dict[str, float]]:
     name = dist.group.WORLD.group_name
     total_rows = mb * 1024 * 1024 // (4 * ROW)
@@ -98,18 +113,7 @@ def _bench(rank: int, world: int, mb: int, iters: int) -> dict[str, dict[str, fl
     for layout, sizes in _layouts(world, total_rows).items():
         x = torch.randn(sizes[rank], ROW)
         even = torch.randn(sum(sizes) // world, ROW)
-        prealloc = torch.empty(world * even.shape[0], ROW)
-        ops = torch.ops._c10d_functional
-        methods: dict[str, Callable[[], object]] = {
-            "baseline": lambda: ops.wait_tensor(ops.all_gather_into_tensor(even, world, name)),
-            "funcoll.gather auto": lambda: funcoll.gather(x),
-            "funcoll.gather pad": lambda: funcoll.gather(x, strategy="pad"),
-            "funcoll.gather bcast": lambda: funcoll.gather(x, strategy="bcast"),
-            "pad+list (seed 000)": lambda: _pad_list_gather_seed000(x, world),
-            "pad+list (seed 001)": lambda: _pad_list_gather_seed001(x, world),
-            "all_gather_object": lambda: _gather_object(x, world),
-            "dist.all_gather_into_tensor (prealloc)": lambda: dist.all_gather_into_tensor(prealloc, even),
-        }
+        methods = _methods(x, even, world, name)
         # Interleave the methods over the rounds so drift hits all of them alike.
         rounds: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(3):

@@ -6,12 +6,10 @@ backticks, then shows the bad value and what was expected.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
-IntLike = Union[int, torch.SymInt]
+IntLike = int | torch.SymInt
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 STRATEGIES = ("auto", "pad", "a2a")

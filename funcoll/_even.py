@@ -9,10 +9,10 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import (
-    fresh,
     check_dim,
     check_rank,
     check_reduce_op,
+    fresh,
     local_input,
     tensor_split_sizes,
     unwire,
@@ -24,11 +24,11 @@ from ._group import GroupLike, resolve_group
 __all__ = [
     "all_gather",
     "all_gather_into_tensor",
-    "reduce_scatter",
     "all_reduce",
     "all_to_all",
-    "ppermute",
     "broadcast",
+    "ppermute",
+    "reduce_scatter",
 ]
 
 

@@ -18,14 +18,13 @@ break and no guard on tensor data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Group", "GroupLike", "resolve_group", "axis_index", "axis_size"]
+__all__ = ["Group", "GroupLike", "axis_index", "axis_size", "resolve_group"]
 
-GroupLike = Union[None, dist.ProcessGroup, DeviceMesh, tuple[DeviceMesh, Union[int, str]], str]
+GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | None
 
 
 @dataclass(frozen=True)

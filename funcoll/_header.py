@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -35,7 +34,7 @@ from . import _prims
 from ._checks import REDUCE_OPS, STRATEGIES
 from ._group import Group
 
-IntLike = Union[int, torch.SymInt]
+IntLike = int | torch.SymInt
 
 OPS = (
     "gather",
@@ -66,7 +65,7 @@ def _shape_columns(x: Tensor, dim: int) -> list:
         tail = 0
         for s in shape[MAX_DIMS - 1 :]:
             tail = (tail * 1_000_003 + int(s)) % (1 << 61)
-        shape = shape[: MAX_DIMS - 1] + [tail]
+        shape = [*shape[: MAX_DIMS - 1], tail]
     return shape + [0] * (MAX_DIMS - len(shape))
 
 
@@ -189,7 +188,7 @@ def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
     disagree("the ragged `dim`", lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
     disagree("`x`.dtype", lambda r: r[DTYPE], lambda r: _describe(r).split()[-1] + f" ({_describe(r)})")
     disagree("the shape of `x` apart from the ragged dim", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
-    for col, name in zip((ARG0, ARG1), _arg_names(opname)):
+    for col, name in zip((ARG0, ARG1), _arg_names(opname), strict=False):
         if name is not None:
             disagree(f"`{name}`", lambda r, c=col: r[c], lambda r, c=col, n=name: _arg_value(n, r[c]))
     if len({r[GRAD] for r in rows}) > 1:
@@ -201,7 +200,7 @@ def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
         )
     tails = [r[WIDTH : WIDTH + world] for r in rows]
     if opname == "all_to_all_v":
-        for i, (r, send) in enumerate(zip(rows, tails)):
+        for i, (r, send) in enumerate(zip(rows, tails, strict=False)):
             if any(s < 0 for s in send) or sum(send) != r[SIZE]:
                 raise ValueError(
                     f"{op}: rank {i} has `send_sizes`={send}, which must be {world} non-negative "

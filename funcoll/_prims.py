@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 
 _F = torch.ops._c10d_functional
 
-IntLike = Union[int, torch.SymInt]
+IntLike = int | torch.SymInt
 
 
 def _wait(t: Tensor) -> Tensor:

@@ -17,12 +17,12 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import (
-    fresh,
     REDUCE_OPS,
     STRATEGIES,
     check_dim,
     check_rank,
     check_tensor,
+    fresh,
     local_input,
     unwire,
     wire,
@@ -31,7 +31,7 @@ from ._checks import (
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, exchange, host_ints
 
-__all__ = ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v", "mark_ragged"]
+__all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "mark_ragged"]
 
 IntLike = _prims.IntLike
 
@@ -252,7 +252,7 @@ def reduce_scatter_v(
         return fresh(x)
     _, sz = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
-        for u, n in zip(sz, given):
+        for u, n in zip(sz, given, strict=False):
             torch._check(u == n)
         sz = given
     torch._check(sum(sz) == x.shape[dim])

@@ -12,19 +12,19 @@ Uneven dims follow ``torch.tensor_split``: along a dim of length n the first
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import fresh, check_dim, local_input, tensor_split_sizes, unwire, wire
+from ._checks import check_dim, fresh, local_input, tensor_split_sizes, unwire, wire
 from ._group import GroupLike, resolve_group
 from ._header import exchange
 
-__all__ = ["split_forward_gather_backward", "gather_forward_split_backward"]
+__all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 
-GradScale = Union[Literal["up", "down"], None, float]
+GradScale = Literal["up", "down"] | float | None
 IntLike = _prims.IntLike
 
 

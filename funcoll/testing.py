@@ -70,7 +70,7 @@ def _worker(
         finally:
             dist.destroy_process_group()
         results.put((rank, True, _dumps(out)))
-    except BaseException:  # report everything, KeyboardInterrupt included
+    except BaseException:  # noqa: BLE001 -- report everything to the parent, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
 
 

@@ -35,7 +35,7 @@ def _dtensor_cases(rank: int, world: int) -> dict[str, object]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_local_shards(world: int) -> None:
     full = torch.arange(7 * 3, dtype=torch.float64).view(7, 3)
-    for rank, out in enumerate(run_ranks(_dtensor_cases, world, timeout=120)):
+    for _rank, out in enumerate(run_ranks(_dtensor_cases, world, timeout=120)):
         assert type(out["gather"]) is torch.Tensor
         torch.testing.assert_close(out["gather"], full)
         torch.testing.assert_close(out["all_reduce_replicated"], world * full)
