@@ -70,10 +70,14 @@ def all_gather0(x: Tensor, name: str, size: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------- reduce_scatter0
-def _reduce_scatter0_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    wire_op = "sum" if op == "avg" else op  # not every backend has avg; sum / size is the same
-    y = _wait(_F.reduce_scatter_tensor(x.contiguous(), wire_op, size, name))
+def _avg_as_sum(op: str, size: int, run: Any) -> Tensor:
+    """Run a reducing collective; avg runs as sum / size (not every backend has avg)."""
+    y = _wait(run("sum" if op == "avg" else op))
     return y / size if op == "avg" else y
+
+
+def _reduce_scatter0_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
+    return _avg_as_sum(op, size, lambda o: _F.reduce_scatter_tensor(x.contiguous(), o, size, name))
 
 
 class _ReduceScatter0(torch.autograd.Function):
@@ -105,9 +109,7 @@ def _scale_for_op(opname: str, op: str, g: Tensor, size: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- all_reduce
 def _all_reduce_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    wire_op = "sum" if op == "avg" else op
-    y = _wait(_F.all_reduce(x.contiguous(), wire_op, name))
-    return y / size if op == "avg" else y
+    return _avg_as_sum(op, size, lambda o: _F.all_reduce(x.contiguous(), o, name))
 
 
 class _AllReduce(torch.autograd.Function):

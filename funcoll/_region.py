@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import check_dim, fresh, local_input, tensor_split_sizes, unwire, wire
-from ._group import GroupLike, resolve_group
+from ._group import Group, GroupLike, resolve_group
 from ._header import exchange
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
@@ -36,6 +36,16 @@ def _check_grad_scale(op: str, grad_scale: object) -> str | None:
     if grad_scale in ("up", "down"):
         return grad_scale  # type: ignore[return-value]
     raise ValueError(f"{op}: `grad_scale`={grad_scale!r} must be 'up', 'down' or None (1.0 means None)")
+
+
+def _region_args(
+    op: str, x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale
+) -> tuple[Tensor, int, str | None, Group]:
+    """The checks both region ops make, in order: x (a DTensor's local shard), dim, grad_scale, group."""
+    x, group = local_input(op, x, group)
+    d = check_dim(op, x, dim)
+    scale = _check_grad_scale(op, grad_scale)
+    return x, d, scale, resolve_group(op, group)
 
 
 def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
@@ -112,11 +122,7 @@ def split_forward_gather_backward(
         split_forward_gather_backward(x, None, 0)   # rank 0: [1, 2]   rank 1: [3]
         # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
     """
-    op = "funcoll.split_forward_gather_backward"
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
-    scale = _check_grad_scale(op, grad_scale)
-    g = resolve_group(op, group)
+    x, d, scale, g = _region_args("funcoll.split_forward_gather_backward", x, group, dim, grad_scale)
     if g.is_single:
         return fresh(x)
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank)
@@ -146,11 +152,7 @@ def gather_forward_split_backward(
         gather_forward_split_backward(x, None, 0)   # both: [1, 2, 3]
         # backward with grad [10., 20., 30.]: rank 0 x.grad = [10., 20.], rank 1 [30.]
     """
-    op = "funcoll.gather_forward_split_backward"
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
-    scale = _check_grad_scale(op, grad_scale)
-    g = resolve_group(op, group)
+    x, d, scale, g = _region_args("funcoll.gather_forward_split_backward", x, group, dim, grad_scale)
     if g.is_single:
         return fresh(x)
     _, sizes = exchange("gather_forward_split_backward", x, d, g)
