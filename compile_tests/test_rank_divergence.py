@@ -8,10 +8,13 @@ funcoll's ragged ops must issue the same collective sequence in all those graphs
 (the size exchange, then a fixed set of collectives), or the ranks would mismatch:
 a gloo error, garbage, or a hang. ``run_ranks``' timeout turns a hang into a failure.
 
-Each case is one compiled function per op and per ``dynamic=`` mode (None, True,
-False), called several times with the lengths {0, 1, 2, 7} spread over the ranks
-and permuted between calls. Forward and input gradients (float64) are compared
-with a single-process reference built from every rank's input.
+Each case is one compiled function per op and per ``dynamic=`` mode (None, True
+and False on 2 ranks, None on 4), called three times with the lengths {0, 1, 2, 7}
+spread over the ranks and permuted between calls, so that some ranks reuse a
+graph while others compile a new one. Forward and input gradients (float64) are
+compared with a single-process reference built from every rank's input, and a
+check of the setup asserts that the ranks really traced graphs of different
+shapes. Each (world, op) runs in its own ``run_ranks`` call.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch._dynamo.backends.registry import lookup_backend
 import funcoll
 from funcoll.testing import run_ranks
 
-TIMEOUT = 240.0
+TIMEOUT = 150.0
 # The local lengths of each call (one row per call, one entry per rank).
 LENGTHS: dict[int, list[list[int]]] = {
     2: [[1, 7], [0, 2], [7, 1]],
@@ -39,6 +42,11 @@ LENGTHS: dict[int, list[list[int]]] = {
 # mixes graphs specialized to 0 or 1 with symbolic ones within one call (the second);
 # the other modes run on world 2 to keep the file's runtime down.
 DYNAMIC_MODES: dict[int, tuple[bool | None, ...]] = {2: (None, True, False), 4: (None,)}
+
+
+def _prefixed(where: str) -> Callable[[str], str]:
+    """An assert_close `msg` that says where the mismatch is."""
+    return lambda message: f"{where}: {message}"
 
 
 def _seed(*keys: int) -> int:
@@ -136,7 +144,7 @@ def _reduce_scatter_reference(xs: list[Tensor], lengths: list[int]) -> list[Tens
 CASES = [
     Case("gather-auto-x(n,3)-dim0", _gather_step("auto", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
     Case("gather-pad-x(2,n)-dim-1", _gather_step("pad", -1), lambda ls, r: (2, ls[r]), _no_arg, _cat_everywhere(-1)),
-    Case("gather-bcast-x(n,3)-dim0", _gather_step("bcast", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
+    Case("gather-a2a-x(n,3)-dim0", _gather_step("a2a", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
     Case(
         "gather-dst-last-x(n,3)-dim0", _gather_dst_step, lambda ls, r: (ls[r], 3),
         lambda ls, r: len(ls) - 1, _gather_dst_reference, grad=False,
@@ -192,7 +200,11 @@ def _run_case(rank: int, world: int, case_index: int, dynamic: bool | None) -> d
     aot_eager = lookup_backend("aot_eager")
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        outs = [a.meta.get("example_value") for a in gm.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+        outs = [
+            a.meta.get("example_value")
+            for a in gm.graph.output_node().args[0]
+            if isinstance(a, torch.fx.Node)
+        ]
         shapes = [str(getattr(t, "shape", t)) for t in [*example_inputs, None, *outs]]
         signatures.append(" ".join(shapes))
         return aot_eager(gm, example_inputs)
@@ -208,50 +220,65 @@ def _run_case(rank: int, world: int, case_index: int, dynamic: bool | None) -> d
                 (y * _upstream(case_index, world, call, rank, y.shape)).sum().backward()
             outputs.append(None if y is None else y.detach())
             grads.append(x.grad)
-    except Exception:
+    except Exception:  # noqa: BLE001 -- recorded: the parent reports every rank's error
         return {"error": traceback.format_exc()}
     return {"outputs": outputs, "grads": grads, "signatures": signatures}
 
 
-def _rank_body(rank: int, world: int) -> dict[tuple[int, bool | None], dict[str, Any]]:
-    return {
-        (i, dynamic): _run_case(rank, world, i, dynamic)
-        for i in range(len(CASES))
-        for dynamic in DYNAMIC_MODES[world]
-    }
+def _rank_body(rank: int, world: int, case_index: int) -> dict[bool | None, dict[str, Any]]:
+    return {dynamic: _run_case(rank, world, case_index, dynamic) for dynamic in DYNAMIC_MODES[world]}
 
 
-_RESULTS: dict[int, list[dict[tuple[int, bool | None], dict[str, Any]]] | BaseException] = {}
+_RESULTS: dict[tuple[int, int], list[dict[bool | None, dict[str, Any]]] | BaseException] = {}
 
 
-def _results(world: int) -> list[dict[tuple[int, bool | None], dict[str, Any]]]:
-    """One run_ranks call per world, shared by its tests (a failure is cached too)."""
-    if world not in _RESULTS:
+def _results(world: int, case_index: int) -> list[dict[bool | None, dict[str, Any]]]:
+    """One run_ranks call per (world, case), shared by its tests (a failure is cached too).
+
+    A case of its own: when a compile fails on some ranks only, the others are left
+    inside a collective, and in a shared run every later case would fail with it.
+    """
+    key = (world, case_index)
+    if key not in _RESULTS:
         try:
-            _RESULTS[world] = run_ranks(_rank_body, world, timeout=TIMEOUT)
-        except BaseException as e:  # a hang or a crash: every test of this world reports it
-            _RESULTS[world] = e
-    got = _RESULTS[world]
+            _RESULTS[key] = run_ranks(_rank_body, world, case_index, timeout=TIMEOUT)
+        except BaseException as e:  # noqa: BLE001 -- a hang or a crash: every test of this case reports it
+            _RESULTS[key] = e
+    got = _RESULTS[key]
     if isinstance(got, BaseException):
-        raise RuntimeError(f"run_ranks on world {world} failed") from got
+        raise RuntimeError(f"run_ranks on world {world}, case {CASES[case_index].name} failed") from got
     return got
 
 
+def _errors(per_rank: list[dict[str, Any]]) -> str:
+    """Every rank's error: the root cause is often on another rank than the first to fail."""
+    return "\n".join(f"rank {rank}:\n{res['error']}" for rank, res in enumerate(per_rank) if "error" in res)
+
+
 # -------------------------------------------------------------------------------- tests
+# (world, case name prefix) -> reason for a known failure (none open)
+KNOWN_BUGS: dict[tuple[int, str], str] = {}
+
+
 def _params() -> list[Any]:
-    return [
-        pytest.param(world, i, dynamic, id=f"w{world}-{case.name}-dynamic={dynamic}")
-        for world in LENGTHS
-        for i, case in enumerate(CASES)
-        for dynamic in DYNAMIC_MODES[world]
-    ]
+    params = []
+    for world in LENGTHS:
+        for i, case in enumerate(CASES):
+            reasons = [
+                r for (w, prefix), r in KNOWN_BUGS.items() if w == world and case.name.startswith(prefix)
+            ]
+            marks = [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
+            for dynamic in DYNAMIC_MODES[world]:
+                params.append(
+                    pytest.param(world, i, dynamic, marks=marks, id=f"w{world}-{case.name}-dynamic={dynamic}")
+                )
+    return params
 
 
 @pytest.mark.parametrize("world, case_index, dynamic", _params())
 def test_divergent_graphs_match_reference(world: int, case_index: int, dynamic: bool | None) -> None:
-    per_rank = [r[(case_index, dynamic)] for r in _results(world)]
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    per_rank = [r[dynamic] for r in _results(world, case_index)]
+    assert not _errors(per_rank), _errors(per_rank)
     for call, lengths in enumerate(LENGTHS[world]):
         ref_outputs, ref_grads = _reference(case_index, world, call)
         for rank, res in enumerate(per_rank):
@@ -259,9 +286,9 @@ def test_divergent_graphs_match_reference(world: int, case_index: int, dynamic: 
             if ref_outputs[rank] is None:
                 assert res["outputs"][call] is None, where
             else:
-                torch.testing.assert_close(res["outputs"][call], ref_outputs[rank], msg=lambda e: f"{where}: {e}")
+                torch.testing.assert_close(res["outputs"][call], ref_outputs[rank], msg=_prefixed(where))
             if ref_grads[rank] is not None:
-                torch.testing.assert_close(res["grads"][call], ref_grads[rank], msg=lambda e: f"{where}: {e}")
+                torch.testing.assert_close(res["grads"][call], ref_grads[rank], msg=_prefixed(where))
 
 
 @pytest.mark.parametrize(
@@ -271,7 +298,7 @@ def test_divergent_graphs_match_reference(world: int, case_index: int, dynamic: 
 def test_ranks_really_compiled_different_graphs(world: int, dynamic: bool | None) -> None:
     """A check of the setup: in every case some ranks traced graphs with different shapes."""
     for i, case in enumerate(CASES):
-        per_rank = [r[(i, dynamic)] for r in _results(world)]
+        per_rank = [r[dynamic] for r in _results(world, i)]
         if any("error" in res for res in per_rank):
             continue  # reported by test_divergent_graphs_match_reference
         first_graphs = {res["signatures"][0] for res in per_rank}

@@ -188,14 +188,13 @@ def _all_gather_v_impl(
     got = _wait(_F.all_to_all_single(payload.contiguous(), recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
-    pieces, offset = [], 0
+    # torch.split, not narrows at running offsets: those offsets are sums of unbacked
+    # sizes, which fake tensors could not tie to the outputs at 4 ranks and more.
+    received = iter(torch.split(got, [e for i, e in enumerate(extras) if i != rank]))
+    pieces = []
     for i in range(size):
         pieces.append(block.narrow(0, i * common, common))
-        if i == rank:
-            pieces.append(mine)
-        else:
-            pieces.append(got.narrow(0, offset, extras[i]))
-            offset = offset + extras[i]
+        pieces.append(mine if i == rank else next(received))
     return torch.cat(pieces, 0)
 
 

@@ -363,6 +363,10 @@ def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
     the compiled function; inside one, and in eager code, it does nothing. Returns
     `x` itself (marked), so it can wrap an argument in place.
 
+    One limit, dynamo's own: on a dim that is not the outermost, an empty tensor
+    has clamped strides (a ``(2, 0)`` tensor has strides ``(1, 1)``, not ``(0, 1)``),
+    so a local length of 0 there adds one more graph; lengths >= 1 share one.
+
     Example::
 
         step = torch.compile(step_fn, fullgraph=True)

@@ -67,6 +67,7 @@ def _worker(
         )
         try:
             out = fn(rank, world, *args)
+            dist.barrier()  # every rank done before any tears its connections down
         finally:
             dist.destroy_process_group()
         results.put((rank, True, _dumps(out)))
