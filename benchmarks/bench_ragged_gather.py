@@ -8,6 +8,7 @@ times side by side (median of `iters` barrier-fenced runs after a warm-up):
 - ``baseline``: ``torch.ops._c10d_functional.all_gather_into_tensor`` + ``wait_tensor``
   of an even shard holding the same total bytes (it allocates its output, like every
   functional op). Every other row is a ratio to this one.
+- ``funcoll.all_gather`` of the even shard: funcoll's even op, no size exchange.
 - ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``a2a``.
 - ``pad+list (seed 000)``: the widely copied recipe of the ragged ``gather`` helper:
   all_gather the sizes, ``.item()`` each, pad to the max, ``dist.all_gather`` into a
@@ -96,6 +97,7 @@ def _methods(x: torch.Tensor, even: torch.Tensor, world: int, name: str) -> dict
     prealloc = torch.empty(world * even.shape[0], ROW)
     return {
         "baseline": lambda: ops.wait_tensor(ops.all_gather_into_tensor(even, world, name)),
+        "funcoll.all_gather (even shard, no size exchange)": lambda: funcoll.all_gather(even),
         "funcoll.gather auto": lambda: funcoll.gather(x),
         "funcoll.gather pad": lambda: funcoll.gather(x, strategy="pad"),
         "funcoll.gather a2a": lambda: funcoll.gather(x, strategy="a2a"),

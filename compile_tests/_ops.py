@@ -26,27 +26,41 @@ Gradients follow the op's documented backward (``OpCase.grad``):
 
 Each rank's loss is ``sum_k (out_k * weight_k).sum()`` over its floating outputs,
 with seeded weights from :func:`loss_weights`.
+
+Also here, for every compile test to use: :func:`run_case` (one case on one rank,
+eager or through a compiled function, forward and backward), :func:`run_batch` (many
+cases on real ranks in one ``run_ranks`` call, kept in step so that a case that fails
+on one rank cannot hang the others), :func:`trace_graphs` (the AOT forward and
+backward graphs of a case, traced and never run) and :func:`summarize_graph` with
+its readers (which collectives a graph holds).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
 import traceback
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import funcoll
 from funcoll import compat
+from funcoll.testing import RankError, run_ranks
 
 __all__ = [
     "CASES",
     "CASES_BY_ID",
     "COLLECTIVE_PREFIX",
     "KNOWN_BUGS",
+    "STOPPED",
     "OpCase",
     "Outputs",
     "collective_counts",
@@ -55,12 +69,14 @@ __all__ = [
     "has_error",
     "loss_weights",
     "ragged_sizes",
+    "recv_sizes",
     "reference_grads",
     "reference_outputs",
+    "run_batch",
     "run_case",
-    "recv_sizes",
     "send_sizes",
     "summarize_graph",
+    "trace_graphs",
 ]
 
 Outputs = list[Tensor | None]
@@ -104,8 +120,9 @@ def _randn(key: tuple[object, ...], shape: Sequence[int], noncontig: bool = Fals
     g = torch.Generator().manual_seed(_seed(*key))
     if not noncontig:
         return torch.randn(tuple(shape), generator=g, dtype=torch.float64)
-    # Same kind of values, column-major strides: a transposed view made a leaf.
-    return torch.randn(tuple(reversed(shape)), generator=g, dtype=torch.float64).mT
+    # The same kind of values with reversed (column-major) strides: a permuted view.
+    t = torch.randn(tuple(reversed(shape)), generator=g, dtype=torch.float64)
+    return t.permute(*reversed(range(t.dim())))
 
 
 def loss_weights(case_id: str, rank: int, outputs: Outputs) -> list[Tensor | None]:
@@ -160,7 +177,9 @@ def _firsts(all_inputs: list[Inputs]) -> list[Tensor]:
     return [inp[0] for inp in all_inputs]
 
 
-def _shaped(case: str, *shape: int | Callable[[int, int], int], noncontig: bool = False) -> Callable[[int, int], Inputs]:
+def _shaped(
+    case: str, *shape: int | Callable[[int, int], int], noncontig: bool = False
+) -> Callable[[int, int], Inputs]:
     """Inputs of one tensor whose dims are ints or functions of (rank, world)."""
 
     def build(rank: int, world: int) -> Inputs:
@@ -205,7 +224,9 @@ def _call_ppermute_partial(x: Tensor) -> Tensor:
     return funcoll.ppermute(x, [(0, funcoll.axis_size() - 1)])
 
 
-def _ref_ppermute(pairs: Callable[[int], list[tuple[int, int]]]) -> Callable[[list[Inputs], int], list[Outputs]]:
+def _ref_ppermute(
+    pairs: Callable[[int], list[tuple[int, int]]],
+) -> Callable[[list[Inputs], int], list[Outputs]]:
     def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
         xs = _firsts(all_inputs)
         src_of = {d: s for s, d in pairs(world)}
@@ -414,7 +435,11 @@ CASES: list[OpCase] = [
         call=_call_broadcast_last,
         reference=lambda xs, w: _same(w, [xs[w - 1][0] * 1]),
     ),
-    _case("axis_index-axis_size-x3x5", call=_call_axis, reference=lambda xs, w: [[x * r + w] for r, x in enumerate(_firsts(xs))]),
+    _case(
+        "axis_index-axis_size-x3x5",
+        call=_call_axis,
+        reference=lambda xs, w: [[x * r + w] for r, x in enumerate(_firsts(xs))],
+    ),
     # region ops
     _case(
         "split_forward_gather_backward-x2w+1x5-dim0",
@@ -576,11 +601,11 @@ CASES: list[OpCase] = [
 CASES_BY_ID: dict[str, OpCase] = {c.id: c for c in CASES}
 assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"
 
-# Case id -> the funcoll bug it shows. The compile tests run such a case in a
-# run_ranks call of its own (a rank that fails alone can leave the others waiting in
-# a collective, which would take the whole batch down) and mark it
-# xfail(strict=True); delete the entry once the bug is fixed.
-KNOWN_BUGS: dict[str, str] = {}
+# Case id -> the funcoll bug it shows. The compile tests mark such a case
+# xfail(strict=True) and run it on real ranks in a run_ranks call of its own (a rank
+# that fails alone can leave the others waiting in a collective until the timeout);
+# delete the entry once the bug is fixed.
+KNOWN_BUGS: dict[str, str] = {}  # case id -> reason, for open funcoll bugs (none now)
 
 
 # ------------------------------------------------------------------------------ running
@@ -594,10 +619,10 @@ def _leaves(case: OpCase, inputs: Inputs) -> Inputs:
 def _loss(case_id: str, rank: int, outputs: Outputs) -> Tensor | None:
     terms = [
         (out * w).sum()
-        for out, w in zip(outputs, loss_weights(case_id, rank, outputs))
+        for out, w in zip(outputs, loss_weights(case_id, rank, outputs), strict=True)
         if w is not None and out is not None and out.requires_grad
     ]
-    return sum(terms) if terms else None  # type: ignore[return-value]
+    return torch.stack(terms).sum() if terms else None
 
 
 def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
@@ -618,7 +643,7 @@ def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None 
             "outputs": [None if o is None else o.detach().clone() for o in outputs],
             "grads": [inputs[i].grad for i in case.grad_inputs],
         }
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure is a result the test reports
         return {"error": traceback.format_exc(limit=-8)}
 
 
@@ -634,30 +659,33 @@ def reference_grads(case: OpCase, world: int) -> list[list[Tensor]]:
 
     def rank_loss(outputs: list[Outputs], r: int) -> Tensor:
         loss = torch.zeros((), dtype=torch.float64)
-        for out, w in zip(outputs[r], loss_weights(case.id, r, outputs[r])):
+        for out, w in zip(outputs[r], loss_weights(case.id, r, outputs[r]), strict=True):
             if w is not None and out is not None:
                 loss = loss + (out * w).sum()
         return loss
 
     def grads_of(loss: Tensor, leaves: Sequence[Tensor]) -> list[Tensor]:
         got = torch.autograd.grad(loss, list(leaves), allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g * factor for g, t in zip(got, leaves)]
+        return [torch.zeros_like(t) if g is None else g * factor for g, t in zip(got, leaves, strict=True)]
 
     if case.grad == "replicated":
         shared = all_inputs[0][0].detach().requires_grad_()
         outputs = case.reference([(shared,)] * world, world)
-        g = grads_of(sum(rank_loss(outputs, r) for r in range(world)), [shared])  # type: ignore[arg-type]
+        g = grads_of(torch.stack([rank_loss(outputs, r) for r in range(world)]).sum(), [shared])
         return [g for _ in range(world)]
     leaves = [
-        tuple(t.detach().requires_grad_(i in case.grad_inputs) for i, t in enumerate(inp)) for inp in all_inputs
+        tuple(t.detach().requires_grad_(i in case.grad_inputs) for i, t in enumerate(inp))
+        for inp in all_inputs
     ]
     if case.grad == "own":
         outputs = case.reference(leaves, world)
-        return [grads_of(rank_loss(outputs, r), [leaves[r][i] for i in case.grad_inputs]) for r in range(world)]
+        return [
+            grads_of(rank_loss(outputs, r), [leaves[r][i] for i in case.grad_inputs]) for r in range(world)
+        ]
     outputs = case.reference(leaves, world)
-    total = sum(rank_loss(outputs, r) for r in range(world))
+    total = torch.stack([rank_loss(outputs, r) for r in range(world)]).sum()
     flat = [leaves[r][i] for r in range(world) for i in case.grad_inputs]
-    g = grads_of(total, flat)  # type: ignore[arg-type]
+    g = grads_of(total, flat)
     n = len(case.grad_inputs)
     return [g[r * n : (r + 1) * n] for r in range(world)]
 
@@ -700,11 +728,68 @@ def summarize_graph(graph: torch.fx.Graph) -> list[dict[str, Any]]:
             name, mutates = _target_name(node.target)
             val = node.meta.get("val")
             shape = _simplify(list(val.shape)) if isinstance(val, Tensor) else None
-            calls.append({"op": name, "mutates": mutates, "args": _simplify(list(node.args)), "out_shape": shape})
+            calls.append(
+                {"op": name, "mutates": mutates, "args": _simplify(list(node.args)), "out_shape": shape}
+            )
     return calls
 
 
 COLLECTIVE_PREFIX = "_c10d_functional."
+
+
+class _Traced(Exception):
+    """Raised by a graph compiled by :func:`trace_graphs`: the graphs are recorded, nothing runs."""
+
+
+def _tracing_backend(graphs: dict[str, Any]) -> Any:
+    """aot_autograd with the partitioner aot_eager and inductor use; records the graphs, runs nothing.
+
+    The min-cut partitioner matters: it may move backward nodes that do not depend
+    on the gradient into the forward, collectives included.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        graphs["fw"], graphs["bw"] = summarize_graph(fw.graph), summarize_graph(bw.graph)
+        return fw, bw
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.setdefault("fw", summarize_graph(gm.graph))  # an inference graph: no partition
+
+        def stop(*args: Any) -> Any:
+            raise _Traced
+
+        return stop
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+
+
+def trace_graphs(case: OpCase, rank: int, world: int, backward: bool = True) -> dict[str, Any]:
+    """Trace ``case.call`` on this rank's inputs into AOT forward/backward graphs, without running them.
+
+    Returns ``{"graphs": {"fw": calls, "bw": calls}, "seconds": trace time}`` (``bw``
+    only when an input requires grad, calls as :func:`summarize_graph` gives them),
+    or ``{"error": traceback}``. Nothing executes, so it is safe on the fake process
+    group, and no rank can be left waiting in a collective.
+    """
+    graphs: dict[str, Any] = {}
+    wants_grad = backward and case.grad != "none"
+    inputs = tuple(
+        t.requires_grad_(wants_grad and i in case.grad_inputs) for i, t in enumerate(case.inputs(rank, world))
+    )
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    try:
+        torch.compile(case.call, fullgraph=True, backend=_tracing_backend(graphs))(*inputs)
+        return {"error": "the compiled function ran instead of stopping after the trace"}
+    except _Traced:
+        return {"graphs": graphs, "seconds": time.perf_counter() - start}
+    except Exception:  # noqa: BLE001 -- a failed trace is a result the test reports
+        return {"error": traceback.format_exc(limit=-8)}
+    finally:
+        torch._dynamo.reset()
 
 
 def collective_counts(calls: list[dict[str, Any]]) -> dict[str, int]:
@@ -727,3 +812,70 @@ def forbidden_calls(calls: list[dict[str, Any]]) -> list[str]:
         if in_place_collective or legacy or op.startswith("torch.distributed"):
             bad.append(op)
     return bad
+
+
+# ------------------------------------------------------------------------------ batches
+STOPPED = "__stopped__"  # key of a rank's results when its batch stopped early
+IN_STEP_TIMEOUT_S = 60.0
+
+
+def _save(obj: object, path: str) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # atomic: a rank killed mid-write leaves the last complete file
+
+
+def _batch_worker(
+    rank: int,
+    world: int,
+    save_dir: str,
+    one_case: Callable[..., dict[Any, Any]],
+    case_ids: list[str],
+    args: tuple[Any, ...],
+) -> dict[str, Any]:
+    """Run ``one_case(rank, world, case_id, *args)`` for every case, in step with the other ranks.
+
+    Results are saved after every case, so they survive a rank that has to stop. A
+    case that raised on this rank may have left another rank waiting inside a
+    collective, where only this process's exit (closing its connections) releases
+    it; so after an error this rank waits for every rank to finish the case, through
+    a file store rather than a collective, and stops if one does not.
+    """
+    store = dist.FileStore(os.path.join(save_dir, "in_step_store"), world)
+    path = os.path.join(save_dir, f"rank{rank}.pt")
+    out: dict[str, Any] = {}
+    for cid in case_ids:
+        out[cid] = one_case(rank, world, cid, *args)
+        _save(out, path)
+        store.set(f"{cid}/{rank}", "done")
+        if has_error(out[cid]):
+            try:
+                store.wait([f"{cid}/{r}" for r in range(world)], timedelta(seconds=IN_STEP_TIMEOUT_S))
+            except Exception as e:  # a rank is stuck in a collective of this case
+                raise RuntimeError(
+                    f"rank {rank}: stopping after case {cid!r}: another rank did not finish it"
+                ) from e
+    return out
+
+
+def run_batch(
+    one_case: Callable[..., dict[Any, Any]], world: int, case_ids: Sequence[str], *args: Any, timeout: float
+) -> list[dict[str, Any]]:
+    """Run cases on `world` gloo ranks in one ``run_ranks`` call; one results dict per rank.
+
+    ``one_case(rank, world, case_id, *args)`` must return a dict whose failing steps
+    are ``{"error": traceback}`` dicts (as :func:`run_case` returns them). If the
+    batch stops early (a rank raised, died or hung) each rank's dict holds the
+    cases finished before, plus ``results[STOPPED]``: why it stopped.
+    """
+    with tempfile.TemporaryDirectory(prefix="funcoll_batch_") as save_dir:
+        try:
+            return run_ranks(_batch_worker, world, save_dir, one_case, list(case_ids), args, timeout=timeout)
+        except (RankError, TimeoutError) as e:
+            results = []
+            for r in range(world):
+                path = os.path.join(save_dir, f"rank{r}.pt")
+                saved = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+                saved[STOPPED] = f"{type(e).__name__}: {e}"
+                results.append(saved)
+            return results

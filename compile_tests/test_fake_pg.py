@@ -2,9 +2,10 @@
 
 The fake backend (``torch.testing._internal.distributed.fake_pg``) lets one process
 join a group of any size; its collectives return garbage, so these tests only trace.
-Each case is compiled with an AOTAutograd backend whose partitioner records the
-forward and backward graphs and whose compiled forward raises instead of running:
-nothing executes, so garbage never reaches the ragged ops' size checks.
+Each case is traced by ``_ops.trace_graphs``: an AOTAutograd backend whose
+partitioner (the min-cut one aot_eager and inductor use) records the forward and
+backward graphs and whose compiled forward raises instead of running. Nothing
+executes, so garbage never reaches the ragged ops' size checks.
 
 Checked per graph: which ``_c10d_functional`` collectives appear and how many (every
 one with its ``wait_tensor``), that each carries the group's size (``group_size ==
@@ -12,25 +13,20 @@ W``, all_to_all_single split lists of length W) and the group's name, and that
 all_gather's output holds W blocks. Every world size runs in a subprocess of its own
 (``run_ranks`` with one rank, which then replaces its group by a fake one of W ranks).
 
-The ragged all-gathers' trace time grows faster than linearly in W (one unbacked
-size per rank, and ``max``/``min`` expressions over all of them), so W=64 traces a
-subset of the cases and W=1024 traces the forward of the ops whose trace stays in
-seconds there.
+The ragged ops' trace time grows faster than linearly in W (one unbacked size per
+rank, and ``max``/``min`` expressions over all of them), so W=64 traces the even ops
+and one ragged gather, and W=1024 the forward of the even ops and of the ragged
+reduce_scatter (its size exchange included).
 """
 
 from __future__ import annotations
 
 import functools
-import time
-import traceback
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-from _ops import CASES_BY_ID, KNOWN_BUGS, OpCase, collective_counts, summarize_graph
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition
+from _ops import CASES_BY_ID, COLLECTIVE_PREFIX, KNOWN_BUGS, OpCase, collective_counts, trace_graphs
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from funcoll.testing import run_ranks
@@ -61,21 +57,9 @@ RAGGED_CASES = (
 )
 # world -> (case ids, trace the backward too)
 PLAN: dict[int, tuple[tuple[str, ...], bool]] = {
-    8: (EVEN_CASES + RAGGED_CASES, True),
-    64: (EVEN_CASES + ("gather-auto-ragged-x_nx5-dim0",), True),
-    1024: (EVEN_CASES, False),
-}
-
-AUTO_MIN_BUG = (
-    "funcoll bug: gather(strategy='auto') does not trace at 5 to 8 ranks: the all_to_all_single "
-    "rows are cut with narrow(0, offset, n_i - min(sizes)), and the bounds check of that narrow "
-    "raises AssertionError('Expected Lt/Le/Eq/Ne, got BooleanTrue') inside the fake-tensor call "
-    "(real gloo ranks at world 5 fail the same way)"
-)
-# (world, case id) -> the funcoll bug that trace shows
-TRACE_BUGS: dict[tuple[int, str], str] = {
-    (8, "gather-auto-ragged-x_nx5-dim0"): AUTO_MIN_BUG,
-    (8, "gather_forward_split_backward-ragged-x_nx5-dim0"): AUTO_MIN_BUG,
+    8: ((*EVEN_CASES, *RAGGED_CASES), True),
+    64: ((*EVEN_CASES, "gather-auto-ragged-x_nx5-dim0"), True),
+    1024: ((*EVEN_CASES, "reduce_scatter-ragged-sizes-dim0"), False),
 }
 
 
@@ -122,58 +106,22 @@ def expected(case_id: str, world: int) -> tuple[dict[str, int], dict[str, int]]:
     return table[case_id]
 
 
-class _Traced(Exception):
-    """Raised by the compiled forward: the graphs are recorded, nothing may run."""
-
-
-def _tracing_backend(graphs: dict[str, Any]) -> Any:
-    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        fw, bw = default_partition(joint, joint_inputs, **kwargs)
-        graphs["fw"], graphs["bw"] = summarize_graph(fw.graph), summarize_graph(bw.graph)
-        return fw, bw
-
-    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.setdefault("fw", summarize_graph(gm.graph))  # inference: no partition
-
-        def stop(*args: Any) -> Any:
-            raise _Traced
-
-        return stop
-
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
-
-
-def _trace_case(case: OpCase, world: int, backward: bool) -> dict[str, Any]:
-    graphs: dict[str, Any] = {}
-    inputs = tuple(
-        t.requires_grad_(backward and i in case.grad_inputs and case.grad != "none")
-        for i, t in enumerate(case.inputs(0, world))
-    )
-    torch._dynamo.reset()
-    start = time.perf_counter()
-    try:
-        torch.compile(case.call, fullgraph=True, backend=_tracing_backend(graphs))(*inputs)
-        return {"error": "the compiled function ran instead of stopping after the trace"}
-    except _Traced:
-        pass
-    except Exception:
-        return {"error": traceback.format_exc(limit=-8)}
-    return {"graphs": graphs, "seconds": time.perf_counter() - start}
-
-
 def _trace_on_fake_group(rank: int, world: int, fake_world: int, case_ids: list[str], backward: bool) -> dict:
     """In a one-rank run_ranks child: swap its group for a fake group of `fake_world` ranks and trace."""
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
     try:
         group_name = dist.group.WORLD.group_name
-        return {"group_name": group_name, **{cid: _trace_case(CASES_BY_ID[cid], fake_world, backward) for cid in case_ids}}
+        return {
+            "group_name": group_name,
+            **{cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid in case_ids},
+        }
     finally:
         dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # for run_ranks to destroy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traces(fake_world: int) -> dict[str, Any]:
     case_ids, backward = PLAN[fake_world]
     ids = [c for c in case_ids if c not in KNOWN_BUGS]
@@ -182,13 +130,7 @@ def _traces(fake_world: int) -> dict[str, Any]:
 
 def _params() -> list:
     return [
-        pytest.param(
-            world,
-            CASES_BY_ID[cid],
-            backward,
-            id=f"w{world}-{cid}-{'fw+bw' if backward else 'fw'}",
-            marks=[pytest.mark.xfail(strict=True, reason=TRACE_BUGS[world, cid])] if (world, cid) in TRACE_BUGS else [],
-        )
+        pytest.param(world, CASES_BY_ID[cid], backward, id=f"w{world}-{cid}-{'fw+bw' if backward else 'fw'}")
         for world, (case_ids, backward) in PLAN.items()
         for cid in case_ids
         if cid not in KNOWN_BUGS
@@ -202,7 +144,9 @@ def _check_args(call: dict[str, Any], world: int, group_name: str) -> None:
     elif op == RS:
         assert args[2:] == [world, group_name], f"{op} args {args[2:]}"
     elif op == A2A:
-        assert len(args[1]) == world and len(args[2]) == world, f"{op} split lists of {len(args[1])}, {len(args[2])}"
+        assert len(args[1]) == world and len(args[2]) == world, (
+            f"{op} split lists of {len(args[1])}, {len(args[2])}"
+        )
         assert args[3] == group_name
     elif op in (AR, BC):
         assert args[-1] == group_name, f"{op} group {args[-1]}"
@@ -224,7 +168,7 @@ def test_trace_structure_at_world(world: int, case: OpCase, backward: bool) -> N
         assert counts == want, f"{kind}: collectives {counts}, expected {want}"
         assert waits == sum(counts.values()), f"{kind}: {waits} waits for {counts}"
         for call in calls:
-            if call["op"].startswith("_c10d_functional.") and not call["op"].endswith(WAIT):
+            if call["op"].startswith(COLLECTIVE_PREFIX) and not call["op"].endswith(WAIT):
                 _check_args(call, world, traced["group_name"])
 
 

@@ -9,9 +9,8 @@ where a ``.tolist()`` can break the graph) must report no graph break.
 
 A smaller set of cases also goes through the inductor backend (CPU) on 2 ranks.
 
-All cases of one world run in one ``run_ranks`` call and the tests read its results;
-cases with a known funcoll bug run in calls of their own, so that their failure
-cannot take the others down.
+All cases of one world run in one ``run_ranks`` call (``_ops.run_batch``) and the
+tests read its results; cases with a known funcoll bug run in calls of their own.
 """
 
 from __future__ import annotations
@@ -22,9 +21,18 @@ from typing import Any
 
 import pytest
 import torch
-from _ops import CASES, CASES_BY_ID, KNOWN_BUGS, OpCase, has_error, reference_grads, reference_outputs, run_case
-
-from funcoll.testing import run_ranks
+from _ops import (
+    CASES,
+    CASES_BY_ID,
+    KNOWN_BUGS,
+    STOPPED,
+    OpCase,
+    has_error,
+    reference_grads,
+    reference_outputs,
+    run_batch,
+    run_case,
+)
 
 # world -> (the `dynamic` settings compiled, whether explain runs). World 3 compiles
 # with the default setting only, to keep this file within its time budget: the
@@ -33,6 +41,7 @@ GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
     2: ((None, True, False), True),
     3: ((None,), False),
 }
+KNOWN_BUG_TIMEOUT_S = 30.0  # a known bug's batch alone: ample for one case's compiles, short if it hangs
 INDUCTOR_WORLD = 2
 INDUCTOR_CASES = (
     "all_gather-x3x5-dim0",
@@ -44,49 +53,48 @@ INDUCTOR_CASES = (
 
 
 def _compile_and_run(
-    rank: int, world: int, case_ids: list[str], backend: str, dynamics: tuple[bool | None, ...], explain: bool
-) -> dict[str, dict[Any, Any]]:
-    """One rank: every case eagerly, compiled per `dynamics`, and (optionally) under explain."""
-    out: dict[str, dict[Any, Any]] = {}
-    for cid in case_ids:
-        case = CASES_BY_ID[cid]
-        res: dict[Any, Any] = {"eager": run_case(case, rank, world)}
-        out[cid] = res
-        for d in dynamics:
-            if has_error(res):
-                break
-            torch._dynamo.reset()  # one step function recompiled per case would trip the recompile limit
-            compiled = torch.compile(case.call, fullgraph=True, backend=backend, dynamic=d)
-            res[("compiled", d)] = run_case(case, rank, world, compiled)
-        if explain and not has_error(res):
-            torch._dynamo.reset()
-            try:
-                res["graph_breaks"] = torch._dynamo.explain(case.call)(*case.inputs(rank, world)).graph_break_count
-            except Exception:
-                res["graph_breaks"] = {"error": traceback.format_exc(limit=-8)}
+    rank: int, world: int, case_id: str, backend: str, dynamics: tuple[bool | None, ...], explain: bool
+) -> dict[Any, Any]:
+    """One rank, one case: eagerly, compiled per `dynamics`, and (optionally) under explain."""
+    case = CASES_BY_ID[case_id]
+    res: dict[Any, Any] = {"eager": run_case(case, rank, world)}
+    for d in dynamics:
         if has_error(res):
-            # A rank that raised may have left the others inside a collective: stop, so that
-            # this process exits and closes its connections, which fails their collective.
-            break
+            return res  # stop at the first error: the ranks may be out of step
+        torch._dynamo.reset()  # one step function recompiled per case would trip the recompile limit
+        compiled = torch.compile(case.call, fullgraph=True, backend=backend, dynamic=d)
+        res[("compiled", d)] = run_case(case, rank, world, compiled)
+    if explain and not has_error(res):
+        torch._dynamo.reset()
+        try:
+            res["graph_breaks"] = torch._dynamo.explain(case.call)(
+                *case.inputs(rank, world)
+            ).graph_break_count
+        except Exception:  # noqa: BLE001 -- reported by the explain test
+            res["graph_breaks"] = {"error": traceback.format_exc(limit=-8)}
     torch._dynamo.reset()
-    return out
+    return res
 
 
 def _cases_for(world: int) -> list[OpCase]:
     return [c for c in CASES if world >= c.min_world]
 
 
-@functools.lru_cache(maxsize=None)
-def _results(world: int, case_ids: tuple[str, ...], backend: str, dynamics: tuple, explain: bool) -> list[dict]:
-    return run_ranks(_compile_and_run, world, list(case_ids), backend, dynamics, explain, timeout=400)
+@functools.cache
+def _results(
+    world: int, case_ids: tuple[str, ...], backend: str, dynamics: tuple, explain: bool, timeout: float = 400
+) -> list[dict]:
+    return run_batch(_compile_and_run, world, case_ids, backend, dynamics, explain, timeout=timeout)
 
 
 def _aot_eager_results(world: int, case: OpCase) -> list[dict]:
-    """The batch that holds `case`: all sound cases of the world together, a known bug alone."""
+    """The batch that holds `case`: all sound cases of the world together, a known bug alone.
+
+    A known bug may hang its ranks until the timeout: its batch gets a short one.
+    """
     if case.id in KNOWN_BUGS:
-        batch: tuple[str, ...] = (case.id,)
-    else:
-        batch = tuple(c.id for c in _cases_for(world) if c.id not in KNOWN_BUGS)
+        return _results(world, (case.id,), "aot_eager", *GRID[world], timeout=KNOWN_BUG_TIMEOUT_S)
+    batch = tuple(c.id for c in _cases_for(world) if c.id not in KNOWN_BUGS)
     return _results(world, batch, "aot_eager", *GRID[world])
 
 
@@ -95,34 +103,34 @@ def _inductor_results() -> list[dict]:
 
 
 def _lookup(per_rank: dict, rank: int, case: OpCase, key: Any) -> Any:
-    res = per_rank.get(case.id, {})
+    if case.id not in per_rank:
+        pytest.fail(f"rank {rank}: not run, the batch stopped before this case: {per_rank.get(STOPPED)}")
+    res = per_rank[case.id]
     if key not in res:
-        pytest.fail(f"rank {rank}: not run, an earlier step or case failed on this rank: {_first_error(per_rank)}")
+        errors = [f"{k}:\n{v['error']}" for k, v in res.items() if isinstance(v, dict) and "error" in v]
+        pytest.fail(f"rank {rank}: {key} not run, an earlier step of this case raised: {errors}")
     return res[key]
-
-
-def _first_error(per_rank: dict) -> str:
-    for cid, res in per_rank.items():
-        for key, val in res.items():
-            if isinstance(val, dict) and "error" in val:
-                return f"{cid} {key}:\n{val['error']}"
-    return "(no error recorded)"
 
 
 def _check_run(got: dict, want_outputs: list, want_grads: list | None, what: str) -> None:
     if "error" in got:
         pytest.fail(f"{what} raised:\n{got['error']}")
     assert len(got["outputs"]) == len(want_outputs), f"{what}: {len(got['outputs'])} outputs"
-    for k, (o, w) in enumerate(zip(got["outputs"], want_outputs)):
+    for k, (o, w) in enumerate(zip(got["outputs"], want_outputs, strict=True)):
         if w is None:
             assert o is None, f"{what}: output {k} should be None"
         else:
-            torch.testing.assert_close(o, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what}: output {k}: {m}")
+            torch.testing.assert_close(
+                o, w, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{what}: output {k}: {m}"
+            )
     if want_grads is None:
         return
-    for k, (g, w) in enumerate(zip(got["grads"], want_grads)):
+    assert len(got["grads"]) == len(want_grads), f"{what}: {len(got['grads'])} gradients"
+    for k, (g, w) in enumerate(zip(got["grads"], want_grads, strict=True)):
         assert g is not None, f"{what}: input {k} got no gradient"
-        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what}: grad of input {k}: {m}")
+        torch.testing.assert_close(
+            g, w, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{what}: grad of input {k}: {m}"
+        )
 
 
 def _check_case(results: list[dict], case: OpCase, world: int, key: Any) -> None:
@@ -133,8 +141,12 @@ def _check_case(results: list[dict], case: OpCase, world: int, key: Any) -> None
         # eager against the reference first, so that an op bug is told apart from a compile bug
         _check_run(eager, ref_out[rank], ref_grads[rank], f"rank {rank} eager vs reference")
         got = _lookup(per_rank, rank, case, key)
-        _check_run(got, eager["outputs"], eager["grads"] if ref_grads[rank] is not None else None,
-                   f"rank {rank} compiled vs eager")
+        _check_run(
+            got,
+            eager["outputs"],
+            eager["grads"] if ref_grads[rank] is not None else None,
+            f"rank {rank} compiled vs eager",
+        )
         _check_run(got, ref_out[rank], ref_grads[rank], f"rank {rank} compiled vs reference")
 
 
@@ -152,7 +164,9 @@ def _params() -> list:
 
 
 @pytest.mark.parametrize(("world", "case", "dynamic"), _params())
-def test_aot_eager_fullgraph_matches_eager_and_reference(world: int, case: OpCase, dynamic: bool | None) -> None:
+def test_aot_eager_fullgraph_matches_eager_and_reference(
+    world: int, case: OpCase, dynamic: bool | None
+) -> None:
     _check_case(_aot_eager_results(world, case), case, world, ("compiled", dynamic))
 
 
@@ -174,6 +188,8 @@ def test_explain_reports_no_graph_break(world: int, case: OpCase) -> None:
         assert breaks == 0, f"rank {rank}: {breaks} graph breaks"
 
 
-@pytest.mark.parametrize("case", [CASES_BY_ID[c] for c in INDUCTOR_CASES], ids=lambda c: f"w{INDUCTOR_WORLD}-{c.id}")
+@pytest.mark.parametrize(
+    "case", [CASES_BY_ID[c] for c in INDUCTOR_CASES], ids=lambda c: f"w{INDUCTOR_WORLD}-{c.id}"
+)
 def test_inductor_matches_eager_and_reference(case: OpCase) -> None:
     _check_case(_inductor_results(), case, INDUCTOR_WORLD, ("compiled", None))

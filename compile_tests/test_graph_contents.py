@@ -1,7 +1,9 @@
 """What the compiled graphs hold: functional collectives, each one waited on, and the adjoint in the backward.
 
-On 2 real gloo ranks every case of ``_ops.CASES`` is compiled with an AOTAutograd
-backend that records the forward and backward graphs it is handed. The forward must
+On 2 real gloo ranks every case of ``_ops.CASES`` is traced (``_ops.trace_graphs``:
+the AOT forward and backward graphs as the min-cut partitioner of aot_eager and
+inductor splits them, recorded and never run, so a bad graph cannot hang the run).
+Every rank's graphs must issue the same collectives in the same order. The forward must
 hold the op's ``_c10d_functional`` collectives, the backward the adjoint collective
 (all_gather <-> reduce_scatter_tensor, all_to_all_single <-> all_to_all_single,
 broadcast -> all_reduce, the ragged gather -> all_to_all_single), every collective
@@ -22,13 +24,22 @@ from typing import Any
 
 import pytest
 import torch
-from _ops import CASES, CASES_BY_ID, KNOWN_BUGS, OpCase, collective_counts, forbidden_calls, has_error, run_case, summarize_graph
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from _ops import (
+    CASES,
+    CASES_BY_ID,
+    COLLECTIVE_PREFIX,
+    KNOWN_BUGS,
+    STOPPED,
+    OpCase,
+    collective_counts,
+    forbidden_calls,
+    run_batch,
+    run_case,
+    summarize_graph,
+    trace_graphs,
+)
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
-
-from funcoll.testing import run_ranks
 
 WORLD = 2
 AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
@@ -80,64 +91,37 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
 INDUCTOR_CASES = ("all_gather-x3x5-dim0", "gather-auto-ragged-x_nx5-dim0")
 
 
-def _recording_backend(graphs: dict[str, list]) -> Any:
-    """An aot_autograd backend that keeps a summary of every forward and backward graph."""
-
-    def compiler(kind: str) -> Any:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-            graphs[kind].append(summarize_graph(gm.graph))
-            return make_boxed_func(gm.forward)
-
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
-
-
-def _capture(rank: int, world: int, case_ids: list[str], inductor_ids: list[str]) -> dict[str, Any]:
-    """One rank: each case compiled with the recording backend; the inductor cases' code."""
-    out: dict[str, Any] = {}
-    for cid in case_ids:
-        case = CASES_BY_ID[cid]
-        torch._dynamo.reset()
-        graphs: dict[str, list] = {"fw": [], "bw": []}
-        compiled = torch.compile(case.call, fullgraph=True, backend=_recording_backend(graphs))
-        res = {"run": run_case(case, rank, world, compiled), "graphs": graphs}
-        out[cid] = res
-        if has_error(res):
-            return out  # the other ranks may be in a collective: exit to release them
-    for cid in inductor_ids:
-        case = CASES_BY_ID[cid]
+def _capture(rank: int, world: int, case_id: str) -> dict[str, Any]:
+    """One rank, one case: its AOT graphs (traced, not run), or the inductor run and its code."""
+    if case_id.startswith("inductor:"):
+        case = CASES_BY_ID[case_id.removeprefix("inductor:")]
         torch._dynamo.reset()
         compiled = torch.compile(case.call, fullgraph=True, backend="inductor")
         try:
             result, code = run_and_get_code(lambda: run_case(case, rank, world, compiled))
-            out[f"inductor:{cid}"] = {"run": result, "code": code}
-        except Exception:
-            out[f"inductor:{cid}"] = {"run": {"error": traceback.format_exc(limit=-8)}, "code": []}
-        if has_error(out[f"inductor:{cid}"]):
-            return out
-    torch._dynamo.reset()
-    return out
+            return {"run": result, "code": code}
+        except Exception:  # noqa: BLE001 -- reported by the inductor tests
+            return {"run": {"error": traceback.format_exc(limit=-8)}, "code": []}
+        finally:
+            torch._dynamo.reset()
+    return {"trace": trace_graphs(CASES_BY_ID[case_id], rank, world)}
 
 
-@functools.lru_cache(maxsize=None)
-def _results(case_ids: tuple[str, ...], inductor_ids: tuple[str, ...]) -> list[dict[str, Any]]:
-    return run_ranks(_capture, WORLD, list(case_ids), list(inductor_ids), timeout=300)
+@functools.cache
+def _results() -> list[dict[str, Any]]:
+    ids = [c.id for c in CASES] + [f"inductor:{c}" for c in INDUCTOR_CASES]
+    return run_batch(_capture, WORLD, ids, timeout=300)
 
 
 def _graphs_of(case: OpCase) -> list[dict[str, Any]]:
-    if case.id in KNOWN_BUGS:
-        results = _results((case.id,), ())
-    else:
-        results = _results(tuple(c.id for c in CASES if c.id not in KNOWN_BUGS), INDUCTOR_CASES)
     per_rank = []
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(_results()):
         if case.id not in res:
-            pytest.fail(f"rank {rank}: not captured, an earlier case failed: {res}")
-        got = res[case.id]
-        if "error" in got["run"]:
-            pytest.fail(f"rank {rank}: the compiled case raised:\n{got['run']['error']}")
-        per_rank.append(got["graphs"])
+            pytest.fail(f"rank {rank}: not traced, the batch stopped before this case: {res.get(STOPPED)}")
+        trace = res[case.id]["trace"]
+        if "error" in trace:
+            pytest.fail(f"rank {rank}: the trace raised:\n{trace['error']}")
+        per_rank.append(trace["graphs"])
     return per_rank
 
 
@@ -146,7 +130,9 @@ def _params() -> list:
         pytest.param(
             case,
             id=f"w{WORLD}-{case.id}",
-            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case.id])] if case.id in KNOWN_BUGS else [],
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case.id])]
+            if case.id in KNOWN_BUGS
+            else [],
         )
         for case in CASES
     ]
@@ -157,14 +143,25 @@ def test_every_case_has_an_expectation() -> None:
 
 
 @pytest.mark.parametrize("case", _params())
+def test_every_rank_issues_the_same_collectives(case: OpCase) -> None:
+    # A rank whose graph holds other collectives, or the same in another order, than
+    # another rank's deadlocks or corrupts data at run time.
+    per_rank = _graphs_of(case)
+    for kind in ("fw", "bw"):
+        sequences = [
+            [c["op"] for c in g.get(kind, []) if c["op"].startswith(COLLECTIVE_PREFIX)] for g in per_rank
+        ]
+        assert all(seq == sequences[0] for seq in sequences), f"{kind}: {sequences}"
+
+
+@pytest.mark.parametrize("case", _params())
 def test_graphs_hold_the_collectives_and_their_adjoints(case: OpCase) -> None:
     want_fw, want_bw = EXPECTED[case.id]
     for rank, graphs in enumerate(_graphs_of(case)):
-        assert len(graphs["fw"]) == 1, f"rank {rank}: {len(graphs['fw'])} forward graphs, expected one"
-        assert len(graphs["bw"]) == (0 if want_bw is None else 1), f"rank {rank}: {len(graphs['bw'])} backward graphs"
-        pairs = [("forward", graphs["fw"][0], want_fw)]
+        assert ("bw" in graphs) == (want_bw is not None), f"rank {rank}: graphs {sorted(graphs)}"
+        pairs = [("forward", graphs["fw"], want_fw)]
         if want_bw is not None:
-            pairs.append(("backward", graphs["bw"][0], want_bw))
+            pairs.append(("backward", graphs["bw"], want_bw))
         for kind, calls, want in pairs:
             counts = collective_counts(calls)
             waits = counts.pop(WAIT, 0)
@@ -177,25 +174,25 @@ def _funcoll_ops(calls: list[dict[str, Any]]) -> list[str]:
     return [call["op"] for call in calls if call["op"].startswith("funcoll.")]
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{WORLD}-{c.id}")
 def test_host_sync_op_is_in_the_forward_iff_the_op_exchanges_sizes(case: OpCase) -> None:
     for rank, graphs in enumerate(_graphs_of(case)):
-        fw_ops = _funcoll_ops(graphs["fw"][0])
+        fw_ops = _funcoll_ops(graphs["fw"])
         if case.exchanges_sizes:
             assert len(fw_ops) == 1, f"rank {rank}: funcoll custom ops in the forward: {fw_ops}"
         else:
             assert fw_ops == [], f"rank {rank}: an op without a size exchange holds {fw_ops}"
-        for bw in graphs["bw"]:
-            assert _funcoll_ops(bw) == [], f"rank {rank}: the backward reads sizes on the host again"
+        assert _funcoll_ops(graphs.get("bw", [])) == [], (
+            f"rank {rank}: the backward reads sizes on the host again"
+        )
 
 
 def _inductor_code(case_id: str) -> list[list[str]]:
-    results = _results(tuple(c.id for c in CASES if c.id not in KNOWN_BUGS), INDUCTOR_CASES)
     codes = []
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(_results()):
         got = res.get(f"inductor:{case_id}")
         if got is None:
-            pytest.fail(f"rank {rank}: inductor case not run: an earlier case failed")
+            pytest.fail(f"rank {rank}: inductor case not run, the batch stopped: {res.get(STOPPED)}")
         if "error" in got["run"]:
             pytest.fail(f"rank {rank}: inductor run raised:\n{got['run']['error']}")
         assert len(got["code"]) == 2, f"rank {rank}: {len(got['code'])} generated modules, expected fw and bw"
@@ -233,7 +230,9 @@ def test_forbidden_calls_flags_in_place_collectives_and_torch_distributed() -> N
     x = graph.placeholder("x")
     graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))  # allowed
     graph.call_function(torch.ops._c10d_functional.all_reduce_.default, (x, "sum", "0"))
-    graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor_out.default, (x, 2, "0"), {"out": x})
+    graph.call_function(
+        torch.ops._c10d_functional.all_gather_into_tensor_out.default, (x, 2, "0"), {"out": x}
+    )
     graph.call_function(torch.ops.c10d.allreduce_.default, (x,))
     graph.call_function(torch.distributed.all_reduce, (x,))
     assert forbidden_calls(summarize_graph(graph)) == [

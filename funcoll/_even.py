@@ -301,14 +301,18 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     src = {d: s for s, d in pairs}.get(g.rank)
     flat = wire(x).reshape(-1)
     n = flat.shape[0]
-    send = [n if j == dst else 0 for j in range(g.size)]
-    recv = [n if i == src else 0 for i in range(g.size)]
-    # A rank that sends nothing passes an empty slice of x: still x's data, so the
-    # collective stays tied to x in a graph (and x gets its zero gradient).
-    got = _prims.all_to_all_rows(flat if dst is not None else flat[:0], recv, send, g.name)
-    if src is None:
-        # Keep the (empty) result in the graph so this rank still joins the backward.
-        got = torch.cat([got, flat.new_zeros(n)])
+    # A rank that receives nothing sends x to itself and zeroes what comes back, so
+    # that its backward all_to_all still takes the incoming gradient as input. With
+    # an empty, gradient-independent input there, AOTAutograd's partitioner moved
+    # that rank's backward collective into its forward graph, out of step with the
+    # other ranks (a hang under torch.compile).
+    to_self = src is None
+    send = [n if j == dst or (to_self and j == g.rank) else 0 for j in range(g.size)]
+    recv = [n if i == src or (to_self and i == g.rank) else 0 for i in range(g.size)]
+    payload = [flat] * ((dst is not None) + to_self)
+    got = _prims.all_to_all_rows(torch.cat(payload) if payload else flat[:0], recv, send, g.name)
+    if to_self:  # zeros, NaN-safe, and still tied to the incoming gradient in the backward
+        got = got.masked_fill(torch.ones((), dtype=torch.bool, device=got.device), 0)
     return unwire(got.view(x.shape), x.dtype)
 
 
