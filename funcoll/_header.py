@@ -9,7 +9,7 @@ check costs no extra round trip, and ranks that disagree all raise the same
 ``ValueError`` instead of a backend abort, garbage or a hang.
 
 Reading the table on the host is the single device-to-host sync of a ragged call.
-In eager code it is one ``.tolist()``; in a compiled graph it happens inside the
+In eager code that sync is one list conversion; in a compiled graph it happens inside the
 custom op ``funcoll::host_ints``, whose outputs carry the ints as the lengths of
 zero-width tensors, so the sizes become unbacked SymInts (see ``host_ints``).
 
@@ -108,10 +108,10 @@ def host_ints(t: Tensor, opname: str = "", rank: int = 0) -> list[IntLike]:
     every rank if they disagree) and reduced to the sizes the op needs. Without,
     `t` is a 1-d int tensor of sizes, returned as is.
 
-    Eager: Python ints, read with one ``.tolist()``. Compiled: unbacked SymInts.
+    Eager: Python ints, read with one host sync. Compiled: unbacked SymInts.
     The custom op ``funcoll::host_ints`` returns one zero-width tensor per int, of
     shape ``(int, 0)``, and its fake gives each a fresh unbacked size; the sizes
-    are read off the shapes, so no ``.item()`` enters the graph.
+    are read off the shapes, so no scalar read (and no sync of its own) enters the graph.
     """
     if not torch.compiler.is_compiling():
         return _read(t, opname, rank)

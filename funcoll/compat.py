@@ -13,7 +13,7 @@ ragged ``gather(tensor, dim=0, dst=None)``    :func:`gather` (funcoll.gather)
 OpenSora ``all_to_all(input_, pg, 2, 1)``     :func:`all_to_all`
 OpenSora ``split_forward_gather_backward``    :func:`split_forward_gather_backward`
 OpenSora ``gather_forward_split_backward``    :func:`gather_forward_split_backward`
-``dist.all_gather_into_tensor(out, inp)``     :func:`all_gather_into_tensor`
+torch's in-place ``all_gather_into_tensor``   :func:`all_gather_into_tensor`
 ============================================  =========================================
 """
 

@@ -10,13 +10,13 @@ process from every rank's seeded input; ``all_gather_into_tensor`` is also compa
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _inputs import seeded
 from torch import Tensor
 
 from funcoll import compat
@@ -25,14 +25,6 @@ from funcoll.testing import RankError, run_ranks
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 120.0
 F32, F64, BF16, I64 = torch.float32, torch.float64, torch.bfloat16, torch.int64
-
-
-def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
-    """A deterministic tensor for `key`: normal in float64, small integers otherwise."""
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    if dtype == F64:
-        return torch.randn(tuple(shape), generator=gen, dtype=F64)
-    return torch.randint(-4, 5, tuple(shape), generator=gen).to(dtype)
 
 
 def leaf_and_view(
@@ -219,7 +211,7 @@ def test_all_to_all(world: int, case_id: str) -> None:
     _, shape, dtype, transposed, _ = next(c for c in A2A_CASES if c[0] == case_id)
     s, g = a2a_dims(case_id)
     leaves, xs = zip(
-        *(leaf_and_view(shape(world), dtype, transposed, "a2a", case_id, r) for r in range(world))
+        *(leaf_and_view(shape(world), dtype, transposed, "a2a", case_id, r) for r in range(world)), strict=False
     )
     expected = [torch.cat([torch.tensor_split(x, world, s)[r] for x in xs], g) for r in range(world)]
     results = [res["a2a"][case_id] for res in compat_batch(world)]

@@ -219,7 +219,7 @@ def expected(case: CompatCase) -> tuple[list[Any], list[Tensor | None]]:
 
 def check(case: CompatCase, ranks: list[dict[str, Any]]) -> None:
     outs, grads = expected(case)
-    for r, (res, want) in enumerate(zip(ranks, outs)):
+    for r, (res, want) in enumerate(zip(ranks, outs, strict=False)):
         where = f"{case.id} rank {r}"
         if case.fn == "gather" and case.world == 1:
             assert res["is_input"], f"{where}: a one-rank gather must return the input itself"
@@ -227,7 +227,7 @@ def check(case: CompatCase, ranks: list[dict[str, Any]]) -> None:
             assert res["out"] is None, f"{where}: expected None, got {res['out']!r}"
         elif isinstance(want, list):
             assert isinstance(res["out"], list) and len(res["out"]) == len(want), f"{where}: {res['out']!r}"
-            for i, (g, e) in enumerate(zip(res["out"], want)):
+            for i, (g, e) in enumerate(zip(res["out"], want, strict=False)):
                 torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m, w=f"{where}[{i}]": f"{w}: {m}")
         else:
             torch.testing.assert_close(res["out"], want, rtol=0, atol=0, msg=lambda m, w=where: f"{w}: {m}")

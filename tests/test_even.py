@@ -12,7 +12,6 @@ the parent gets from torch.autograd on the single-process reference.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _inputs import seeded
 from torch import Tensor
 
 import funcoll
@@ -33,17 +33,6 @@ DTYPE_NAMES = {F32: "f32", F64: "f64", BF16: "bf16", I64: "i64", BOOL: "bool"}
 
 
 # ------------------------------------------------------------------------------ inputs
-def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
-    """A deterministic tensor for `key`. float64 is normal (for gradients); the other dtypes
-    hold small integers, so sums, averages and products over 4 ranks are exact in bfloat16."""
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    if dtype == F64:
-        return torch.randn(tuple(shape), generator=gen, dtype=F64)
-    if dtype == BOOL:
-        return torch.randint(0, 2, tuple(shape), generator=gen).bool()
-    return torch.randint(-4, 5, tuple(shape), generator=gen).to(dtype)
-
-
 @dataclass
 class Case:
     """One call ``getattr(funcoll, op)(x, **kwargs)`` on every rank."""
@@ -403,13 +392,13 @@ def reference(c: Case, xs: list[Tensor]) -> list[Tensor]:
 
 def reference_grads(c: Case, world: int) -> list[Tensor]:
     """d(sum_r (y_r * w_r).sum()) / d leaf_r for every rank, by autograd in one process."""
-    leaves, xs = zip(*(make_input(c, r) for r in range(world)))
+    leaves, xs = zip(*(make_input(c, r) for r in range(world)), strict=False)
     ys = reference(c, list(xs))
     loss = sum((y * weight(c, r, y.shape)).sum() for r, y in enumerate(ys))
     if not loss.requires_grad:  # no output depends on any input (ppermute with an empty perm)
         return [torch.zeros_like(leaf) for leaf in leaves]
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves)]
+    return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves, strict=False)]
 
 
 def check_forward(c: Case, world: int, results: list[dict[str, Any]]) -> None:

@@ -422,7 +422,7 @@ def assert_matches(got: Any, expected: Any, where: str, exact: bool) -> None:
             f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}"
         )
         assert len(got) == len(expected), f"{where}: length {len(got)} != {len(expected)}"
-        for i, (g, e) in enumerate(zip(got, expected)):
+        for i, (g, e) in enumerate(zip(got, expected, strict=False)):
             assert_matches(g, e, f"{where}[{i}]", exact)
         return
     tol: dict[str, float] = {"rtol": 0.0, "atol": 0.0} if exact else {}
@@ -443,7 +443,7 @@ class Batches:
             per_case = [[r["cases"][i] for r in per_rank] for i in range(len(CASES[world]) + len(drawn))]
             self._done[world] = {
                 "explicit": {c.id: per_case[i] for i, c in enumerate(CASES[world])},
-                "drawn": list(zip(drawn, per_case[len(CASES[world]) :])),
+                "drawn": list(zip(drawn, per_case[len(CASES[world]) :], strict=False)),
                 "refusals": [r["refusals"] for r in per_rank],
             }
         return self._done[world]

@@ -380,7 +380,7 @@ def check_local(local: Local, got: tuple[str, str]) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
 def test_group_in_step_after_errors(batches: Batches, world: int) -> None:
     expected = torch.cat([rows(r, r + 1) for r in range(world)])
-    for rank, res in enumerate(batches.get(world)):
+    for _rank, res in enumerate(batches.get(world)):
         torch.testing.assert_close(res["after"], expected, rtol=0, atol=0)
 
 

@@ -15,7 +15,6 @@ every case.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _inputs import seeded
 from torch import Tensor
 
 import funcoll
@@ -35,16 +35,6 @@ SPLIT, GATHER = "split_forward_gather_backward", "gather_forward_split_backward"
 F32, F64, BF16, I64, BOOL = torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool
 DTYPE_NAMES = {F32: "f32", F64: "f64", BF16: "bf16", I64: "i64", BOOL: "bool"}
 GradScale = Any  # None, 1.0, "up", "down" (and bad values in the error tests)
-
-
-def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
-    """A deterministic tensor for `key`: normal in float64, small integers otherwise."""
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    if dtype == F64:
-        return torch.randn(tuple(shape), generator=gen, dtype=F64)
-    if dtype == BOOL:
-        return torch.randint(0, 2, tuple(shape), generator=gen).bool()
-    return torch.randint(-4, 5, tuple(shape), generator=gen).to(dtype)
 
 
 @dataclass
@@ -251,7 +241,7 @@ def reference_grads(c: RegionCase, world: int) -> list[Tensor]:
         loss = sum(downstream_loss(c, y, r) for r, y in enumerate(ys))
         (g,) = torch.autograd.grad(loss, [leaf])
         return [g * factor] * world
-    leaves, xs = zip(*(make_input(c, r, world) for r in range(world)))
+    leaves, xs = zip(*(make_input(c, r, world) for r in range(world)), strict=False)
     loss = downstream_loss(c, torch.cat(xs, c.dim), 0)  # replicated: one loss of the full tensor
     grads = torch.autograd.grad(loss, leaves)
     return [g * factor for g in grads]
