@@ -1,12 +1,15 @@
-"""Deterministic per-rank inputs shared by the test modules."""
+"""Deterministic per-rank inputs and the cached batch runner shared by the test modules."""
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from funcoll.testing import RankError, run_ranks
 
 
 def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
@@ -18,3 +21,25 @@ def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, tuple(shape), generator=gen).bool()
     return torch.randint(-4, 5, tuple(shape), generator=gen).to(dtype)
+
+
+def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], list[Any]]:
+    """``batch(world)`` runs ``run_ranks(body, world)`` once per session and caches the result.
+
+    A failed batch is cached too and re-raised for every test that reads it, so one
+    broken batch costs one timeout, not one per test.
+    """
+    done: dict[int, list[Any]] = {}
+    failed: dict[int, Exception] = {}
+
+    def batch(world: int) -> list[Any]:
+        if world not in done and world not in failed:
+            try:
+                done[world] = run_ranks(body, world, timeout=timeout)
+            except (RankError, TimeoutError) as e:
+                failed[world] = e
+        if world in failed:
+            raise RuntimeError(f"the world-{world} batch failed") from failed[world]
+        return done[world]
+
+    return batch

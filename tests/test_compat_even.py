@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _inputs import seeded
+from _inputs import once_per_world, seeded
 from torch import Tensor
 
 from funcoll import compat
-from funcoll.testing import RankError, run_ranks
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 120.0
@@ -185,20 +184,7 @@ def compat_body(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-_BATCHES: dict[int, list[Any]] = {}
-_FAILURES: dict[int, Exception] = {}
-
-
-def compat_batch(world: int) -> list[dict[str, Any]]:
-    """The batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES and world not in _FAILURES:
-        try:
-            _BATCHES[world] = run_ranks(compat_body, world, timeout=TIMEOUT_S)
-        except (RankError, TimeoutError) as e:
-            _FAILURES[world] = e
-    if world in _FAILURES:
-        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
-    return _BATCHES[world]
+compat_batch = once_per_world(compat_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -211,7 +197,8 @@ def test_all_to_all(world: int, case_id: str) -> None:
     _, shape, dtype, transposed, _ = next(c for c in A2A_CASES if c[0] == case_id)
     s, g = a2a_dims(case_id)
     leaves, xs = zip(
-        *(leaf_and_view(shape(world), dtype, transposed, "a2a", case_id, r) for r in range(world)), strict=False
+        *(leaf_and_view(shape(world), dtype, transposed, "a2a", case_id, r) for r in range(world)),
+        strict=False,
     )
     expected = [torch.cat([torch.tensor_split(x, world, s)[r] for x in xs], g) for r in range(world)]
     results = [res["a2a"][case_id] for res in compat_batch(world)]

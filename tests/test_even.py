@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _inputs import seeded
+from _inputs import once_per_world, seeded
 from torch import Tensor
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import run_ranks
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 120.0
@@ -332,20 +332,7 @@ def even_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors, "no_grad": no_grad, "final_all_reduce": check}
 
 
-_BATCHES: dict[int, list[Any]] = {}
-_FAILURES: dict[int, Exception] = {}
-
-
-def even_batch(world: int) -> list[dict[str, Any]]:
-    """The main batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES and world not in _FAILURES:
-        try:
-            _BATCHES[world] = run_ranks(even_body, world, timeout=TIMEOUT_S)
-        except (RankError, TimeoutError) as e:
-            _FAILURES[world] = e
-    if world in _FAILURES:
-        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
-    return _BATCHES[world]
+even_batch = once_per_world(even_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _inputs import once_per_world
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
 
 WORLDS = (1, 3, 4)
 TIMEOUT_S = 120.0
@@ -186,20 +186,7 @@ def group_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors}
 
 
-_BATCHES: dict[int, list[Any]] = {}
-_FAILURES: dict[int, Exception] = {}
-
-
-def group_batch(world: int) -> list[dict[str, Any]]:
-    """The batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES and world not in _FAILURES:
-        try:
-            _BATCHES[world] = run_ranks(group_body, world, timeout=TIMEOUT_S)
-        except (RankError, TimeoutError) as e:
-            _FAILURES[world] = e
-    if world in _FAILURES:
-        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
-    return _BATCHES[world]
+group_batch = once_per_world(group_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference

@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _inputs import seeded
+from _inputs import once_per_world, seeded
 from torch import Tensor
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 120.0
@@ -210,20 +209,7 @@ def region_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors}
 
 
-_BATCHES: dict[int, list[Any]] = {}
-_FAILURES: dict[int, Exception] = {}
-
-
-def region_batch(world: int) -> list[dict[str, Any]]:
-    """The batch on `world` ranks, run once per session; a failure is kept and re-raised."""
-    if world not in _BATCHES and world not in _FAILURES:
-        try:
-            _BATCHES[world] = run_ranks(region_body, world, timeout=TIMEOUT_S)
-        except (RankError, TimeoutError) as e:
-            _FAILURES[world] = e
-    if world in _FAILURES:
-        raise RuntimeError(f"the world-{world} batch failed") from _FAILURES[world]
-    return _BATCHES[world]
+region_batch = once_per_world(region_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference
@@ -268,11 +254,7 @@ def test_result_is_contiguous(world: int, c: RegionCase) -> None:
         assert res["results"][c.id]["contiguous"], f"rank {r}: the result is not contiguous"
 
 
-NEW_TENSOR = [
-    pytest.param(w, c, id=f"w{w}-{c.id}")
-    for w in WORLDS
-    for c in region_cases(w)
-]
+NEW_TENSOR = [pytest.param(w, c, id=f"w{w}-{c.id}") for w in WORLDS for c in region_cases(w)]
 
 
 @pytest.mark.parametrize("world, c", NEW_TENSOR)
