@@ -13,10 +13,14 @@ W``, all_to_all_single split lists of length W) and the group's name, and that
 all_gather's output holds W blocks. Every world size runs in a subprocess of its own
 (``run_ranks`` with one rank, which then replaces its group by a fake one of W ranks).
 
-The ragged ops' trace time grows faster than linearly in W (one unbacked size per
-rank, and ``max``/``min`` expressions over all of them), so W=64 traces the even ops
-and one ragged gather, and W=1024 the forward of the even ops and of the ragged
-reduce_scatter (its size exchange included).
+Every op is traced forward and backward at every world size, with two
+exceptions at W=1024, where the sizes of a ragged op are 1024 unbacked symbols:
+``all_gather_list`` (its 1024 results are views at offsets that are sums of up to
+1024 of them: a trace quadratic in W) is traced up to W=64, and ``all_to_all_v``
+with exchanged sizes (its output length is a sum of 1024 of them, which the
+partitioner re-evaluates for every node of the backward) is traced forward only.
+The ragged gather's "a2a" strategy is traced at 8 and 64: "auto" pads above 8
+ranks, and "pad" is what runs at 1024.
 """
 
 from __future__ import annotations
@@ -55,11 +59,17 @@ RAGGED_CASES = (
     "gather_forward_split_backward-ragged-x_nx5-dim0",
     "all_to_all_v-recv-exchanged-x_nx5",
 )
-# world -> (case ids, trace the backward too)
-PLAN: dict[int, tuple[tuple[str, ...], bool]] = {
-    8: ((*EVEN_CASES, *RAGGED_CASES), True),
-    64: ((*EVEN_CASES, "gather-auto-ragged-x_nx5-dim0"), True),
-    1024: ((*EVEN_CASES, "reduce_scatter-ragged-sizes-dim0"), False),
+LIST_CASES = ("all_gather_list-ragged-x_nx5-dim0", "all_gather_ragged-ragged-x3x_n-dim1")
+A2A_V = "all_to_all_v-recv-exchanged-x_nx5"
+# world -> {case id: trace the backward too}
+_ALL = (*EVEN_CASES, *RAGGED_CASES, *LIST_CASES)
+PLAN: dict[int, dict[str, bool]] = {
+    8: dict.fromkeys(_ALL, True),
+    64: dict.fromkeys(_ALL, True),
+    1024: {
+        **{c: True for c in _ALL if c not in ("gather-a2a-ragged-x_nx5-dim0", LIST_CASES[0])},
+        A2A_V: False,
+    },
 }
 
 
@@ -102,11 +112,13 @@ def expected(case_id: str, world: int) -> tuple[dict[str, int], dict[str, int]]:
         "gather-dst0-ragged-x_nx5-dim0-nograd": (_plus(header, {A2A: 1}), {}),
         "gather_forward_split_backward-ragged-x_nx5-dim0": (_plus(header, auto_fw), {}),
         "all_to_all_v-recv-exchanged-x_nx5": (_plus(header, {A2A: 1}), {A2A: 1}),
+        "all_gather_list-ragged-x_nx5-dim0": after_header("auto"),
+        "all_gather_ragged-ragged-x3x_n-dim1": after_header("auto"),
     }
     return table[case_id]
 
 
-def _trace_on_fake_group(rank: int, world: int, fake_world: int, case_ids: list[str], backward: bool) -> dict:
+def _trace_on_fake_group(rank: int, world: int, fake_world: int, plan: dict[str, bool]) -> dict:
     """In a one-rank run_ranks child: swap its group for a fake group of `fake_world` ranks and trace."""
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
@@ -114,7 +126,7 @@ def _trace_on_fake_group(rank: int, world: int, fake_world: int, case_ids: list[
         group_name = dist.group.WORLD.group_name
         return {
             "group_name": group_name,
-            **{cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid in case_ids},
+            **{cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid, backward in plan.items()},
         }
     finally:
         dist.destroy_process_group()
@@ -123,16 +135,15 @@ def _trace_on_fake_group(rank: int, world: int, fake_world: int, case_ids: list[
 
 @functools.cache
 def _traces(fake_world: int) -> dict[str, Any]:
-    case_ids, backward = PLAN[fake_world]
-    ids = [c for c in case_ids if c not in KNOWN_BUGS]
-    return run_ranks(_trace_on_fake_group, 1, fake_world, ids, backward, backend="fake", timeout=300)[0]
+    plan = {c: bw for c, bw in PLAN[fake_world].items() if c not in KNOWN_BUGS}
+    return run_ranks(_trace_on_fake_group, 1, fake_world, plan, backend="fake", timeout=600)[0]
 
 
 def _params() -> list:
     return [
         pytest.param(world, CASES_BY_ID[cid], backward, id=f"w{world}-{cid}-{'fw+bw' if backward else 'fw'}")
-        for world, (case_ids, backward) in PLAN.items()
-        for cid in case_ids
+        for world, plan in PLAN.items()
+        for cid, backward in plan.items()
         if cid not in KNOWN_BUGS
     ]
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from . import _prims
 from ._checks import REDUCE_OPS, STRATEGIES
 from ._group import Group
+from ._prims import Stats
 
 IntLike = int | torch.SymInt
 
@@ -84,8 +85,10 @@ def exchange(
     The last `world` columns carry `sizes` (all_to_all_v's send sizes, the ragged
     reduce_scatter's slice sizes) or zeros. The host ints returned are the sizes
     along `dim` of every rank; for all_to_all_v this rank's send sizes followed by
-    its receive sizes; for reduce_scatter the (checked) slice sizes. They are Python
-    ints in eager mode and unbacked SymInts in a compiled graph.
+    its receive sizes; for reduce_scatter the (checked) slice sizes. Except for
+    all_to_all_v, three more follow: the min, max and sum of those sizes (see
+    ``split_stats``), read off the table with them. They are Python ints in eager
+    mode and unbacked SymInts in a compiled graph.
     """
     row = [
         OPS.index(opname), x.dim(), _dtype_code(x.dtype), dim, int(x.requires_grad),
@@ -129,9 +132,24 @@ def _read(t: Tensor, opname: str, rank: int) -> list[int]:
     world = len(values)
     if opname == "all_to_all_v":
         return values[rank][WIDTH : WIDTH + world] + [r[WIDTH + rank] for r in values]
-    if opname == "reduce_scatter":
-        return values[rank][WIDTH : WIDTH + world]
-    return [r[SIZE] for r in values]
+    sizes = values[rank][WIDTH : WIDTH + world] if opname == "reduce_scatter" else [r[SIZE] for r in values]
+    return [*sizes, min(sizes), max(sizes), sum(sizes)]
+
+
+def _n_ints(opname: str, world: int) -> int:
+    """How many ints `_read` returns for `opname` at `world` ranks."""
+    if not opname:
+        return world
+    return 2 * world if opname == "all_to_all_v" else world + 3
+
+
+def split_stats(ints: list[IntLike], world: int) -> tuple[list[IntLike], Stats]:
+    """Host ints of a ragged gather or reduce_scatter as (sizes, (min, max, sum of sizes))."""
+    sizes, (lo, hi, total) = ints[:world], ints[world:]
+    if torch.compiler.is_compiling():  # fresh unbacked symbols: say how they relate
+        torch._check(lo <= hi)
+        torch._check(hi <= total)
+    return sizes, (lo, hi, total)
 
 
 @torch.library.custom_op("funcoll::host_ints", mutates_args=())
@@ -142,7 +160,7 @@ def _host_ints_op(t: Tensor, opname: str, rank: int) -> list[Tensor]:
 @_host_ints_op.register_fake
 def _host_ints_fake(t: Tensor, opname: str, rank: int) -> list[Tensor]:
     ctx = torch.library.get_ctx()
-    n = t.shape[0] * (2 if opname == "all_to_all_v" else 1)
+    n = _n_ints(opname, t.shape[0])
     return [torch.empty((ctx.new_dynamic_size(), 0), dtype=torch.uint8, device="cpu") for _ in range(n)]
 
 

@@ -35,6 +35,8 @@ from torch import Tensor
 _F = torch.ops._c10d_functional
 
 IntLike = int | torch.SymInt
+# (min, max, sum) of a ragged gather's per-rank sizes; see gather_rows.
+Stats = tuple[IntLike, IntLike, IntLike]
 
 
 def _wait(t: Tensor) -> Tensor:
@@ -244,14 +246,43 @@ def _all_equal(sizes: Sequence[IntLike]) -> bool:
     return not torch.compiler.is_compiling() and len(set(sizes)) == 1
 
 
+def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLike) -> Tensor:
+    """Rows ``[i * longest, i * longest + sizes[i])`` of `blocks` for every rank i, in order.
+
+    One index_select with an index computed on the device, rather than a narrow per
+    rank: the graph stays the same size whatever the world size, and no size of the
+    result depends on an expression over every rank's length but their sum.
+    """
+    dev = blocks.device
+    counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    ranks = torch.arange(len(sizes), device=dev)
+    owner = torch.repeat_interleave(ranks, counts, output_size=total)  # the rank of each result row
+    # row j of the result, from rank i, is row j - start_i of rank i's block at i * longest
+    shift = ranks * longest - (torch.cumsum(counts, 0) - counts)
+    index = torch.arange(total, device=dev) + shift[owner]
+    return blocks.index_select(0, index)
+
+
 def gather_rows(
-    x: Tensor, sizes: Sequence[IntLike], strategy: str, name: str, size: int, rank: int
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    strategy: str,
+    name: str,
+    size: int,
+    rank: int,
+    stats: Stats | None = None,
 ) -> Tensor:
     """Ragged all-gather of dim 0 (``sizes[rank]`` rows here) with a strategy of funcoll.gather.
 
     ``"pad"``: pad to ``max(sizes)``, all_gather0, cut (differentiable through
     all_gather0's adjoint and the pad/cut). ``"auto"``/``"a2a"``: all_gather_v with
     the common prefix ``min(sizes)`` (or 0) in the all_gather.
+
+    `stats` is ``(min(sizes), max(sizes), sum(sizes))`` when the caller has them
+    (the size exchange reads them off the header table with the sizes): in a
+    compiled graph they are then three plain symbols rather than expressions over
+    every rank's length, whose tracing and partitioning cost grows faster than
+    the world size.
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
@@ -260,53 +291,87 @@ def gather_rows(
     if strategy == "pad":
         if _all_equal(sizes):  # nothing to pad and nothing to cut
             return all_gather0(x, name, size)
-        longest = _sym_max(sizes)
-        for n in sizes:
-            torch._check(longest - n >= 0)
+        longest, total = (_sym_max(sizes), sum(sizes)) if stats is None else stats[1:]
+        torch._check(longest - x.shape[0] >= 0)
         padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
-        blocks = all_gather0(padded, name, size)
-        return torch.cat([blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)])
-    common = 0 if strategy == "a2a" else _sym_min(sizes)
+        return _unpad(all_gather0(padded, name, size), sizes, longest, total)
+    common = 0 if strategy == "a2a" else (_sym_min(sizes) if stats is None else stats[0])
     for n in sizes:
         torch._check(n - common >= 0)
-    return all_gather_v(x, sizes, common, name, size, rank)
+    return all_gather_v(x, sizes, common, name, size, rank, stats)
 
 
 class _AllGatherV(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
+        ctx: Any,
+        x: Tensor,
+        sizes: list[IntLike],
+        common: IntLike,
+        name: str,
+        size: int,
+        rank: int,
+        stats: Stats | None,
     ) -> Tensor:
         ctx.sizes, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), name, size, rank
+        ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
         return _all_gather_v_impl(x, sizes, common, name, size, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = reduce_scatter_v(grad, ctx.sizes, "sum", ctx.name, ctx.size, ctx.rank)
-        return g, None, None, None, None, None
+        g = reduce_scatter_v(grad, ctx.sizes, "sum", ctx.name, ctx.size, ctx.rank, ctx.stats)
+        return g, None, None, None, None, None, None
 
 
 class _ReduceScatterV(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, sizes: list[IntLike], op: str, name: str, size: int, rank: int
+        ctx: Any,
+        x: Tensor,
+        sizes: list[IntLike],
+        op: str,
+        name: str,
+        size: int,
+        rank: int,
+        stats: Stats | None,
     ) -> Tensor:
         ctx.sizes, ctx.op, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), op, name, size, rank
+        ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
         return _reduce_scatter_v_impl(x, sizes, op, name, size, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = gather_rows(grad, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank)
-        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None, None, None
+        g = gather_rows(grad, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank, ctx.stats)
+        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None, None, None, None
 
 
 def all_gather_v(
-    x: Tensor, sizes: Sequence[IntLike], common: IntLike, name: str, size: int, rank: int
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    common: IntLike,
+    name: str,
+    size: int,
+    rank: int,
+    stats: Stats | None = None,
 ) -> Tensor:
-    """Ragged all-gather along dim 0: ``(sizes[rank], *R) -> (sum(sizes), *R)``."""
-    return _AllGatherV.apply(x, list(sizes), common, name, size, rank)
+    """Ragged all-gather along dim 0: ``(sizes[rank], *R) -> (sum(sizes), *R)``.
+
+    `stats` (``(min, max, sum)`` of `sizes`, or None) only serves the backward's gather.
+    """
+    return _AllGatherV.apply(x, list(sizes), common, name, size, rank, stats)
 
 
-def reduce_scatter_v(x: Tensor, sizes: Sequence[IntLike], op: str, name: str, size: int, rank: int) -> Tensor:
-    """Ragged reduce-scatter along dim 0: ``(sum(sizes), *R) -> (sizes[rank], *R)``."""
-    return _ReduceScatterV.apply(x, list(sizes), op, name, size, rank)
+def reduce_scatter_v(
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    op: str,
+    name: str,
+    size: int,
+    rank: int,
+    stats: Stats | None = None,
+) -> Tensor:
+    """Ragged reduce-scatter along dim 0: ``(sum(sizes), *R) -> (sizes[rank], *R)``.
+
+    `stats` (``(min, max, sum)`` of `sizes`, or None) only serves the backward's gather.
+    """
+    return _ReduceScatterV.apply(x, list(sizes), op, name, size, rank, stats)

@@ -29,7 +29,7 @@ from ._checks import (
     wire_op,
 )
 from ._group import Group, GroupLike, resolve_group
-from ._header import SIZE, WIDTH, exchange, host_ints
+from ._header import SIZE, WIDTH, exchange, host_ints, split_stats
 
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "mark_ragged"]
 
@@ -46,8 +46,9 @@ def ragged_all_gather(
     opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto"
 ) -> tuple[Tensor, list[IntLike], Tensor]:
     """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
-    table, sizes = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)))
-    y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank)
+    table, ints = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)))
+    sizes, stats = split_stats(ints, g.size)
+    y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
     return (y if dim == 0 else y.movedim(0, dim).contiguous()), sizes, table
 
@@ -111,7 +112,8 @@ def gather(
         return fresh(x)
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy)[0]
-    _, sizes = exchange("gather", x, d, g, args=(dst, strat))
+    _, ints = exchange("gather", x, d, g, args=(dst, strat))
+    sizes = ints[: g.size]
     _refuse_grad_to_dst(op, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
     n = sizes[g.rank]
@@ -250,13 +252,15 @@ def reduce_scatter_v(
         if given is None:
             _check_total(op, "sizes", _host_sizes(op, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
-    _, sz = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
+    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
+    sz, stats = split_stats(ints, g.size)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
         for u, n in zip(sz, given, strict=False):
             torch._check(u == n)
-        sz = given
+        sz, stats = given, (min(given), max(given), sum(given))
     torch._check(sum(sz) == x.shape[dim])
-    y = _prims.reduce_scatter_v(wire(x).movedim(dim, 0), sz, wire_op(rop, x.dtype), g.name, g.size, g.rank)
+    xm, wop = wire(x).movedim(dim, 0), wire_op(rop, x.dtype)
+    y = _prims.reduce_scatter_v(xm, sz, wop, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 

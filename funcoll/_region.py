@@ -20,7 +20,7 @@ from torch import Tensor
 from . import _prims
 from ._checks import check_dim, fresh, local_input, tensor_split_sizes, unwire, wire
 from ._group import Group, GroupLike, resolve_group
-from ._header import exchange
+from ._header import exchange, split_stats
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 
@@ -62,13 +62,16 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
         ctx.dim, ctx.scale, ctx.name, ctx.size, ctx.rank = dim, scale, name, size, rank
         sizes = tensor_split_sizes(x.shape[dim], size)
         ctx.sizes = _prims._ctx_ints(sizes)
+        ctx.total = _prims._ctx_ints([x.shape[dim]])[0]
         start = sum(sizes[:rank])
         return fresh(x.narrow(dim, start, sizes[rank]))  # a copy even when the piece is contiguous
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         gm = wire(_scaled(grad, ctx.scale, ctx.size)).movedim(ctx.dim, 0)
-        full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank)
+        # tensor_split: the first pieces are the longest, and they add up to the input
+        stats = (ctx.sizes[-1], ctx.sizes[0], ctx.total)
+        full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank, stats)
         full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
         return full, None, None, None, None, None
 
@@ -80,12 +83,14 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         x: Tensor,
         dim: int,
         sizes: list[IntLike],
+        stats: _prims.Stats,
         scale: str | None,
         name: str,
         size: int,
         rank: int,
     ) -> Tensor:
-        y = unwire(_prims.gather_rows(wire(x).movedim(dim, 0), sizes, "auto", name, size, rank), x.dtype)
+        xm = wire(x).movedim(dim, 0)
+        y = unwire(_prims.gather_rows(xm, sizes, "auto", name, size, rank, stats), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()
         ctx.dim, ctx.scale, ctx.size = dim, scale, size
         ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
@@ -95,7 +100,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
-        return _scaled(piece, ctx.scale, ctx.size).contiguous(), None, None, None, None, None, None
+        return _scaled(piece, ctx.scale, ctx.size).contiguous(), None, None, None, None, None, None, None
 
 
 def split_forward_gather_backward(
@@ -155,5 +160,6 @@ def gather_forward_split_backward(
     x, d, scale, g = _region_args("funcoll.gather_forward_split_backward", x, group, dim, grad_scale)
     if g.is_single:
         return fresh(x)
-    _, sizes = exchange("gather_forward_split_backward", x, d, g)
-    return _GatherForwardSplitBackward.apply(x, d, sizes, scale, g.name, g.size, g.rank)
+    _, ints = exchange("gather_forward_split_backward", x, d, g)
+    sizes, stats = split_stats(ints, g.size)
+    return _GatherForwardSplitBackward.apply(x, d, sizes, stats, scale, g.name, g.size, g.rank)
