@@ -56,11 +56,18 @@ from funcoll import compat
 from funcoll.testing import RankError, run_ranks
 
 __all__ = [
+    "A2A",
+    "AG",
+    "AR",
+    "BC",
     "CASES",
     "CASES_BY_ID",
     "COLLECTIVE_PREFIX",
+    "EXPECTED_AT_2",
     "KNOWN_BUGS",
+    "RS",
     "STOPPED",
+    "WAIT",
     "OpCase",
     "Outputs",
     "collective_counts",
@@ -813,6 +820,54 @@ def forbidden_calls(calls: list[dict[str, Any]]) -> list[str]:
             bad.append(op)
     return bad
 
+
+# ------------------------------------------------------------------ expected collectives
+AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
+A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
+
+# The collectives of each case at 2 ranks: (forward, backward); backward None when
+# no input requires grad. The ragged ops start with one header all_gather (the size
+# exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common rows
+# plus one all_to_all_single of the rest, "pad" one all_gather of padded blocks.
+RAGGED_GATHER = {AG: 2, A2A: 1}  # header + common rows + the rest
+EXPECTED_AT_2: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
+    "all_gather-x3x5-dim0": ({AG: 1}, {RS: 1}),
+    "all_gather-x3x5-dim1-noncontig": ({AG: 1}, {RS: 1}),
+    "all_gather-untiled-x3x5-dim0": ({AG: 1}, {RS: 1}),
+    "all_gather-untiled-x3x5-dim1": ({AG: 1}, {RS: 1}),
+    "all_gather_into_tensor-x3x5": ({AG: 1}, {RS: 1}),
+    "reduce_scatter-x2wx5-dim0": ({RS: 1}, {AG: 1}),
+    "reduce_scatter-x3x2w-dim-1": ({RS: 1}, {AG: 1}),
+    "reduce_scatter-ragged-sizes-dim0": ({AG: 1, A2A: 1}, {AG: 1, A2A: 1}),  # bw: ragged all-gather
+    "all_reduce-x3x5": ({AR: 1}, {AR: 1}),
+    "all_to_all-x2x3x2wx5-scatter2-gather1": ({A2A: 1}, {A2A: 1}),
+    "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": ({A2A: 1}, {A2A: 1}),
+    "ppermute-ring-x3x5": ({A2A: 1}, {A2A: 1}),
+    "ppermute-first-to-last-x3x5": ({A2A: 1}, {A2A: 1}),
+    "broadcast-src-last-x3x5": ({BC: 1}, {AR: 1}),
+    "axis_index-axis_size-x3x5": ({}, {}),
+    "split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
+    "split_forward_gather_backward-x3x2w+1-dim-1-up": ({}, {AG: 1, A2A: 1}),
+    "gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
+    "gather_forward_split_backward-ragged-x3x_n-dim-1-down": (RAGGED_GATHER, {}),
+    "gather-auto-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
+    "gather-auto-ragged-x3x_n-dim-1-noncontig": (RAGGED_GATHER, {A2A: 1}),
+    "gather-pad-ragged-x_nx5-dim0": ({AG: 2}, {RS: 1}),
+    "gather-a2a-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
+    "gather-dst0-ragged-x_nx5-dim0-nograd": ({AG: 1, A2A: 1}, None),
+    "all_gather_list-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
+    "all_gather_ragged-ragged-x3x_n-dim1": (RAGGED_GATHER, {A2A: 1}),
+    "all_to_all_v-recv-exchanged-x_nx5": ({AG: 1, A2A: 1}, {A2A: 1}),
+    "all_to_all_v-recv-given-x_nx5": ({A2A: 1}, {A2A: 1}),
+    "compat.gather-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
+    "compat.all_gather-ragged-1d": (RAGGED_GATHER, {A2A: 1}),
+    "compat.all_gather_nd-ragged-x_nx2x3": (RAGGED_GATHER, {A2A: 1}),
+    "compat.all_to_all-x2x3x2wx5": ({A2A: 1}, {A2A: 1}),
+    "compat.split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
+    "compat.gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
+    "compat.all_gather_into_tensor-x3x5-out-allocated-inside": ({AG: 1}, {RS: 1}),
+    "compat.all_gather_into_tensor-x3x5-out-buffer-input": ({AG: 1}, None),
+}
 
 # ------------------------------------------------------------------------------ batches
 STOPPED = "__stopped__"  # key of a rank's results when its batch stopped early

@@ -264,10 +264,9 @@ def _run_calls(rank: int, case_index: int, step: Callable[..., Tensor], mark: bo
     outs, x_grads, p_grads = [], [], []
     for call, lengths in enumerate(LENGTHS):
         x = _input(case_index, call, rank).requires_grad_()
-        if mark:
-            funcoll.mark_ragged(x, case.ragged_dim)
+        arg = funcoll.mark_ragged(x, case.ragged_dim) if mark else x
         params = {k: v.requires_grad_() for k, v in _params().items()}
-        out = step(x, _case_aux(case, lengths, rank), params)
+        out = step(arg, _case_aux(case, lengths, rank), params)
         (out * _upstream(case_index, call, rank, out.shape)).sum().backward()
         outs.append(out.detach())
         x_grads.append(x.grad if x.grad is not None else torch.zeros_like(x))
@@ -318,13 +317,7 @@ def _results() -> list[list[dict[str, Any]]]:
 
 
 # -------------------------------------------------------------------------------- tests
-GRAPH_COUNT_BUGS = {
-    "gather-dim1-softmax": (
-        "dynamo limitation (mark_unbacked alike, documented in mark_ragged): a dim that is not the outermost gives a second graph "
-        "when the local length is 0 (dynamo guards x.stride()[0] == x.size()[1]; an empty "
-        "(2, 0, 6) tensor has strides (6, 6, 1))"
-    ),
-}
+GRAPH_COUNT_BUGS: dict[str, str] = {}
 
 
 def _params_for(bugs: dict[str, str]) -> list[Any]:

@@ -126,7 +126,9 @@ def _trace_on_fake_group(rank: int, world: int, fake_world: int, plan: dict[str,
         group_name = dist.group.WORLD.group_name
         return {
             "group_name": group_name,
-            **{cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid, backward in plan.items()},
+            **{
+                cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid, backward in plan.items()
+            },
         }
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,11 @@ outputs and input gradients must equal the eager ones and the single-process
 reference. ``torch._dynamo.explain`` (which compiles without fullgraph, the case
 where a ``.tolist()`` can break the graph) must report no graph break.
 
-A smaller set of cases also goes through the inductor backend (CPU) on 2 ranks.
+Every case also goes through the inductor backend (CPU here) on 2 ranks, with the
+same three ``dynamic`` settings: its results must match too, and the code inductor
+generates (``run_and_get_code``) must call each collective the graph tests expect
+(``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
+``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
 
 All cases of one world run in one ``run_ranks`` call (``_ops.run_batch``) and the
 tests read its results; cases with a known funcoll bug run in calls of their own.
@@ -16,16 +20,22 @@ tests read its results; cases with a known funcoll bug run in calls of their own
 from __future__ import annotations
 
 import functools
+import re
 import traceback
 from typing import Any
 
 import pytest
 import torch
 from _ops import (
+    A2A,
+    AG,
+    AR,
     CASES,
     CASES_BY_ID,
+    EXPECTED_AT_2,
     KNOWN_BUGS,
     STOPPED,
+    WAIT,
     OpCase,
     has_error,
     reference_grads,
@@ -33,6 +43,8 @@ from _ops import (
     run_batch,
     run_case,
 )
+from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
 
 # world -> (the `dynamic` settings compiled, whether explain runs). World 3 compiles
 # with the default setting only, to keep this file within its time budget: the
@@ -43,13 +55,7 @@ GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
 }
 KNOWN_BUG_TIMEOUT_S = 30.0  # a known bug's batch alone: ample for one case's compiles, short if it hangs
 INDUCTOR_WORLD = 2
-INDUCTOR_CASES = (
-    "all_gather-x3x5-dim0",
-    "reduce_scatter-x2wx5-dim0",
-    "all_to_all-x2x3x2wx5-scatter2-gather1",
-    "gather-auto-ragged-x_nx5-dim0",
-    "all_to_all_v-recv-exchanged-x_nx5",
-)
+INDUCTOR_DYNAMICS = (None, True, False)
 
 
 def _compile_and_run(
@@ -63,7 +69,15 @@ def _compile_and_run(
             return res  # stop at the first error: the ranks may be out of step
         torch._dynamo.reset()  # one step function recompiled per case would trip the recompile limit
         compiled = torch.compile(case.call, fullgraph=True, backend=backend, dynamic=d)
-        res[("compiled", d)] = run_case(case, rank, world, compiled)
+        if backend == "inductor":  # keep the generated code too
+            try:
+                res[("compiled", d)], res[("code", d)] = run_and_get_code(
+                    lambda c=compiled: run_case(case, rank, world, c)
+                )
+            except Exception:  # noqa: BLE001 -- a failure to compile is reported by the tests
+                res[("compiled", d)] = {"error": traceback.format_exc(limit=-8)}
+        else:
+            res[("compiled", d)] = run_case(case, rank, world, compiled)
     if explain and not has_error(res):
         torch._dynamo.reset()
         try:
@@ -98,8 +112,12 @@ def _aot_eager_results(world: int, case: OpCase) -> list[dict]:
     return _results(world, batch, "aot_eager", *GRID[world])
 
 
-def _inductor_results() -> list[dict]:
-    return _results(INDUCTOR_WORLD, INDUCTOR_CASES, "inductor", (None,), False)
+def _inductor_results(case: OpCase) -> list[dict]:
+    """Like :func:`_aot_eager_results`, compiled by inductor, with its code."""
+    if case.id in KNOWN_BUGS:
+        return _results(INDUCTOR_WORLD, (case.id,), "inductor", INDUCTOR_DYNAMICS, False, KNOWN_BUG_TIMEOUT_S)
+    batch = tuple(c.id for c in _cases_for(INDUCTOR_WORLD) if c.id not in KNOWN_BUGS)
+    return _results(INDUCTOR_WORLD, batch, "inductor", INDUCTOR_DYNAMICS, False, timeout=900)
 
 
 def _lookup(per_rank: dict, rank: int, case: OpCase, key: Any) -> Any:
@@ -188,8 +206,85 @@ def test_explain_reports_no_graph_break(world: int, case: OpCase) -> None:
         assert breaks == 0, f"rank {rank}: {breaks} graph breaks"
 
 
-@pytest.mark.parametrize(
-    "case", [CASES_BY_ID[c] for c in INDUCTOR_CASES], ids=lambda c: f"w{INDUCTOR_WORLD}-{c.id}"
-)
-def test_inductor_matches_eager_and_reference(case: OpCase) -> None:
-    _check_case(_inductor_results(), case, INDUCTOR_WORLD, ("compiled", None))
+def _inductor_params() -> list:
+    return [
+        pytest.param(case, d, id=f"w{INDUCTOR_WORLD}-{case.id}-dynamic={d}", marks=_xfail_known(case))
+        for case in _cases_for(INDUCTOR_WORLD)
+        for d in INDUCTOR_DYNAMICS
+    ]
+
+
+@pytest.mark.parametrize(("case", "dynamic"), _inductor_params())
+def test_inductor_matches_eager_and_reference(case: OpCase, dynamic: bool | None) -> None:
+    _check_case(_inductor_results(case), case, INDUCTOR_WORLD, ("compiled", dynamic))
+
+
+# A collective called in inductor's code: ``torch.ops._c10d_functional.<op>.default(``.
+# Inductor re-inplaces some (``all_reduce_``, ``broadcast_``) and may write into an
+# ``_out`` buffer: both count as the functional op they replace.
+_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+
+
+def _code_collectives(code: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in code.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for op in _CALL.findall(line):
+            op = op.removesuffix("_out").removesuffix("_")
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def _inductor_code(case: OpCase, dynamic: bool | None) -> list[list[str]]:
+    """Every rank's generated modules (forward, then backward) for `case`."""
+    codes = []
+    for rank, per_rank in enumerate(_inductor_results(case)):
+        got = _lookup(per_rank, rank, case, ("compiled", dynamic))
+        if "error" in got:
+            pytest.fail(f"rank {rank}: the inductor run raised:\n{got['error']}")
+        codes.append(per_rank[case.id][("code", dynamic)])
+    return codes
+
+
+@pytest.mark.parametrize(("case", "dynamic"), _inductor_params())
+def test_inductor_code_calls_each_collective_and_waits(case: OpCase, dynamic: bool | None) -> None:
+    want_fw, want_bw = EXPECTED_AT_2[case.id]
+    for rank, modules in enumerate(_inductor_code(case, dynamic)):
+        wants = [want_fw] if want_bw is None else [want_fw, want_bw]
+        assert len(modules) == len(wants), f"rank {rank}: {len(modules)} generated modules"
+        for kind, code, want in zip(("forward", "backward"), modules, wants, strict=False):
+            counts = _code_collectives(code)
+            waits = counts.pop(WAIT, 0)
+            assert counts == want, f"rank {rank} {kind}: collectives {counts}, expected {want}"
+            assert waits == sum(counts.values()), f"rank {rank} {kind}: {waits} waits for {counts}"
+
+
+F = "torch.ops._c10d_functional."
+
+
+@pytest.mark.parametrize("dynamic", INDUCTOR_DYNAMICS)
+def test_inductor_code_ragged_gather_checks_sizes_then_moves_rows(dynamic: bool | None) -> None:
+    for fw, bw in _inductor_code(CASES_BY_ID["gather-auto-ragged-x_nx5-dim0"], dynamic):
+        (
+            FileCheck()
+            .check(f"{F}{AG}")  # the size header
+            .check(f"{F}{WAIT}")
+            .check("torch.ops.funcoll.")  # the host-sync op that reads the size table
+            .check(f"{F}{AG}")  # the rows every rank has
+            .check(f"{F}{A2A}")  # the rest
+            .check(f"{F}{WAIT}")
+            .run(fw)
+        )
+        FileCheck().check_count(f"{F}{A2A}.default(", 1, exactly=True).check(f"{F}{WAIT}").run(bw)
+
+
+def test_code_collectives_reads_calls_and_not_comments() -> None:
+    code = (
+        "    # Original ATen: [_c10d_functional.all_reduce]\n"
+        "    torch.ops._c10d_functional.all_reduce_.default(buf0, 'sum', '0')\n"
+        "    assert_size_stride(buf1, (2, 3), (3, 1), 'torch.ops._c10d_functional.all_gather_into_tensor.default')\n"
+        "    buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf2, 2, '0')\n"
+        "    torch.ops._c10d_functional.wait_tensor.default(buf0)\n"
+    )
+    assert _code_collectives(code) == {AR: 1, AG: 1, WAIT: 1}

@@ -12,14 +12,13 @@ collective or a ``torch.distributed`` call. Ops that exchange sizes must hold
 funcoll's host-sync custom op (the one step that reads the size table) in the
 forward, and no other op may hold one.
 
-Two ops also go through inductor, and ``FileCheck`` reads the generated code for the
-collective and its wait.
+What inductor generates for each case is checked in ``test_fullgraph.py``, next to
+the inductor runs.
 """
 
 from __future__ import annotations
 
 import functools
-import traceback
 from typing import Any
 
 import pytest
@@ -28,89 +27,29 @@ from _ops import (
     CASES,
     CASES_BY_ID,
     COLLECTIVE_PREFIX,
+    EXPECTED_AT_2,
     KNOWN_BUGS,
     STOPPED,
+    WAIT,
     OpCase,
     collective_counts,
     forbidden_calls,
     run_batch,
-    run_case,
     summarize_graph,
     trace_graphs,
 )
-from torch._inductor.utils import run_and_get_code
-from torch.testing import FileCheck
 
 WORLD = 2
-AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
-A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
-
-# The collectives of each case at WORLD ranks: (forward, backward); backward None when
-# no input requires grad. The ragged ops start with one header all_gather (the size
-# exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common rows
-# plus one all_to_all_single of the rest, "pad" one all_gather of padded blocks.
-RAGGED_GATHER = {AG: 2, A2A: 1}  # header + common rows + the rest
-EXPECTED: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
-    "all_gather-x3x5-dim0": ({AG: 1}, {RS: 1}),
-    "all_gather-x3x5-dim1-noncontig": ({AG: 1}, {RS: 1}),
-    "all_gather-untiled-x3x5-dim0": ({AG: 1}, {RS: 1}),
-    "all_gather-untiled-x3x5-dim1": ({AG: 1}, {RS: 1}),
-    "all_gather_into_tensor-x3x5": ({AG: 1}, {RS: 1}),
-    "reduce_scatter-x2wx5-dim0": ({RS: 1}, {AG: 1}),
-    "reduce_scatter-x3x2w-dim-1": ({RS: 1}, {AG: 1}),
-    "reduce_scatter-ragged-sizes-dim0": ({AG: 1, A2A: 1}, {AG: 1, A2A: 1}),  # bw: ragged all-gather
-    "all_reduce-x3x5": ({AR: 1}, {AR: 1}),
-    "all_to_all-x2x3x2wx5-scatter2-gather1": ({A2A: 1}, {A2A: 1}),
-    "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": ({A2A: 1}, {A2A: 1}),
-    "ppermute-ring-x3x5": ({A2A: 1}, {A2A: 1}),
-    "ppermute-first-to-last-x3x5": ({A2A: 1}, {A2A: 1}),
-    "broadcast-src-last-x3x5": ({BC: 1}, {AR: 1}),
-    "axis_index-axis_size-x3x5": ({}, {}),
-    "split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
-    "split_forward_gather_backward-x3x2w+1-dim-1-up": ({}, {AG: 1, A2A: 1}),
-    "gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
-    "gather_forward_split_backward-ragged-x3x_n-dim-1-down": (RAGGED_GATHER, {}),
-    "gather-auto-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "gather-auto-ragged-x3x_n-dim-1-noncontig": (RAGGED_GATHER, {A2A: 1}),
-    "gather-pad-ragged-x_nx5-dim0": ({AG: 2}, {RS: 1}),
-    "gather-a2a-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "gather-dst0-ragged-x_nx5-dim0-nograd": ({AG: 1, A2A: 1}, None),
-    "all_gather_list-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "all_gather_ragged-ragged-x3x_n-dim1": (RAGGED_GATHER, {A2A: 1}),
-    "all_to_all_v-recv-exchanged-x_nx5": ({AG: 1, A2A: 1}, {A2A: 1}),
-    "all_to_all_v-recv-given-x_nx5": ({A2A: 1}, {A2A: 1}),
-    "compat.gather-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_gather-ragged-1d": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_gather_nd-ragged-x_nx2x3": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_to_all-x2x3x2wx5": ({A2A: 1}, {A2A: 1}),
-    "compat.split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
-    "compat.gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
-    "compat.all_gather_into_tensor-x3x5-out-allocated-inside": ({AG: 1}, {RS: 1}),
-    "compat.all_gather_into_tensor-x3x5-out-buffer-input": ({AG: 1}, None),
-}
-INDUCTOR_CASES = ("all_gather-x3x5-dim0", "gather-auto-ragged-x_nx5-dim0")
 
 
 def _capture(rank: int, world: int, case_id: str) -> dict[str, Any]:
-    """One rank, one case: its AOT graphs (traced, not run), or the inductor run and its code."""
-    if case_id.startswith("inductor:"):
-        case = CASES_BY_ID[case_id.removeprefix("inductor:")]
-        torch._dynamo.reset()
-        compiled = torch.compile(case.call, fullgraph=True, backend="inductor")
-        try:
-            result, code = run_and_get_code(lambda: run_case(case, rank, world, compiled))
-            return {"run": result, "code": code}
-        except Exception:  # noqa: BLE001 -- reported by the inductor tests
-            return {"run": {"error": traceback.format_exc(limit=-8)}, "code": []}
-        finally:
-            torch._dynamo.reset()
+    """One rank, one case: its AOT graphs, traced and never run."""
     return {"trace": trace_graphs(CASES_BY_ID[case_id], rank, world)}
 
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    ids = [c.id for c in CASES] + [f"inductor:{c}" for c in INDUCTOR_CASES]
-    return run_batch(_capture, WORLD, ids, timeout=300)
+    return run_batch(_capture, WORLD, [c.id for c in CASES], timeout=300)
 
 
 def _graphs_of(case: OpCase) -> list[dict[str, Any]]:
@@ -139,7 +78,7 @@ def _params() -> list:
 
 
 def test_every_case_has_an_expectation() -> None:
-    assert sorted(EXPECTED) == sorted(c.id for c in CASES)
+    assert sorted(EXPECTED_AT_2) == sorted(c.id for c in CASES)
 
 
 @pytest.mark.parametrize("case", _params())
@@ -156,7 +95,7 @@ def test_every_rank_issues_the_same_collectives(case: OpCase) -> None:
 
 @pytest.mark.parametrize("case", _params())
 def test_graphs_hold_the_collectives_and_their_adjoints(case: OpCase) -> None:
-    want_fw, want_bw = EXPECTED[case.id]
+    want_fw, want_bw = EXPECTED_AT_2[case.id]
     for rank, graphs in enumerate(_graphs_of(case)):
         assert ("bw" in graphs) == (want_bw is not None), f"rank {rank}: graphs {sorted(graphs)}"
         pairs = [("forward", graphs["fw"], want_fw)]
@@ -185,43 +124,6 @@ def test_host_sync_op_is_in_the_forward_iff_the_op_exchanges_sizes(case: OpCase)
         assert _funcoll_ops(graphs.get("bw", [])) == [], (
             f"rank {rank}: the backward reads sizes on the host again"
         )
-
-
-def _inductor_code(case_id: str) -> list[list[str]]:
-    codes = []
-    for rank, res in enumerate(_results()):
-        got = res.get(f"inductor:{case_id}")
-        if got is None:
-            pytest.fail(f"rank {rank}: inductor case not run, the batch stopped: {res.get(STOPPED)}")
-        if "error" in got["run"]:
-            pytest.fail(f"rank {rank}: inductor run raised:\n{got['run']['error']}")
-        assert len(got["code"]) == 2, f"rank {rank}: {len(got['code'])} generated modules, expected fw and bw"
-        codes.append(got["code"])
-    return codes
-
-
-F = "torch.ops._c10d_functional."
-
-
-def test_inductor_code_all_gather_waits_and_backward_reduce_scatters() -> None:
-    for fw, bw in _inductor_code("all_gather-x3x5-dim0"):
-        FileCheck().check(f"{F}{AG}").check(f"{F}{WAIT}").check_not(f"{F}{RS}").run(fw)
-        FileCheck().check(f"{F}{RS}").check(f"{F}{WAIT}").check_not(f"{F}{AG}").run(bw)
-
-
-def test_inductor_code_ragged_gather_checks_sizes_then_moves_rows() -> None:
-    for fw, bw in _inductor_code("gather-auto-ragged-x_nx5-dim0"):
-        (
-            FileCheck()
-            .check(f"{F}{AG}")  # the size header
-            .check(f"{F}{WAIT}")
-            .check("torch.ops.funcoll.")  # the host-sync op that reads the size table
-            .check(f"{F}{AG}")  # the rows every rank has
-            .check(f"{F}{A2A}")  # the rest
-            .check(f"{F}{WAIT}")
-            .run(fw)
-        )
-        FileCheck().check_count(f"{F}{A2A}.default(", 1, exactly=True).check(f"{F}{WAIT}").run(bw)
 
 
 def test_forbidden_calls_flags_in_place_collectives_and_torch_distributed() -> None:

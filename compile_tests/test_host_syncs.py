@@ -67,5 +67,7 @@ def test_sync_sites_trace_without_breaks(world: int) -> None:
         }
         for name, (breaks, compiled, eager) in res.items():
             assert breaks == 0, f"rank {rank} {name}: {breaks} graph breaks"
-            torch.testing.assert_close(compiled, want[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                compiled, want[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )
             torch.testing.assert_close(eager, want[name], msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

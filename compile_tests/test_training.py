@@ -194,9 +194,9 @@ def _train(rank: int, world: int, compiled: bool) -> dict[str, Any]:
     for step in range(STEPS):
         x, positions, targets = _rank_batch(world, step, rank)
         if compiled:
-            funcoll.mark_ragged(x, 1)
-            funcoll.mark_ragged(positions, 0)
-            funcoll.mark_ragged(targets, 0)
+            x = funcoll.mark_ragged(x, 1)
+            positions = funcoll.mark_ragged(positions, 0)
+            targets = funcoll.mark_ragged(targets, 0)
         optimizer.zero_grad()
         loss = step_fn(params, x, positions, targets)
         loss.backward()
@@ -215,8 +215,7 @@ def _explain(rank: int, world: int) -> dict[str, Any]:
     torch._dynamo.reset()
     params = _init_params()
     x, positions, targets = _rank_batch(world, 0, rank)
-    for t, dim in ((x, 1), (positions, 0), (targets, 0)):
-        funcoll.mark_ragged(t, dim)
+    x, positions, targets = (funcoll.mark_ragged(t, d) for t, d in ((x, 1), (positions, 0), (targets, 0)))
     report = torch._dynamo.explain(_train_step_loss)(params, x, positions, targets)
     torch._dynamo.reset()
     return {

@@ -254,7 +254,12 @@ def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLik
     result depends on an expression over every rank's length but their sum.
     """
     dev = blocks.device
-    counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    if torch.compiler.is_compiling():
+        counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    else:
+        # Built on the host and copied without blocking: from pageable memory the copy
+        # is staged at once, and a plain `.to(dev)` would wait for the device.
+        counts = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
     ranks = torch.arange(len(sizes), device=dev)
     owner = torch.repeat_interleave(ranks, counts, output_size=total)  # the rank of each result row
     # row j of the result, from rank i, is row j - start_i of rank i's block at i * longest

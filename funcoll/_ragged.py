@@ -365,11 +365,16 @@ def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
     treats ``x.shape[dim]`` as an unbacked symbol, so it never specializes on it (not
     even on 0 or 1) and one graph serves every length. Call it on the input outside
     the compiled function; inside one, and in eager code, it does nothing. Returns
-    `x` itself (marked), so it can wrap an argument in place.
+    `x` (marked), so it can wrap an argument in place: pass on what it returns.
 
-    One limit, dynamo's own: on a dim that is not the outermost, an empty tensor
-    has clamped strides (a ``(2, 0)`` tensor has strides ``(1, 1)``, not ``(0, 1)``),
-    so a local length of 0 there adds one more graph; lengths >= 1 share one.
+    An empty `x` comes back as a view with the strides of its shape, unclamped:
+    torch gives an empty ``(2, 0)`` tensor strides ``(1, 1)``, not ``(0, 1)``, and a
+    graph traced with ``stride(0) == size(1)`` would be compiled again for every
+    new local length of 0 on a dim that is not the outermost. The view holds no
+    elements, so only its strides differ, and gradients reach `x`. One case stays
+    dynamo's own: if the *first* call has length 0 there, dynamo cannot tie the
+    stride to the unbacked size and traces it static, so the next non-empty call
+    compiles a second graph, which then serves every length.
 
     Example::
 
@@ -382,5 +387,11 @@ def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
     d = check_dim(op, x, dim)
     if torch.compiler.is_compiling():
         return x
+    if x.numel() == 0:
+        strides = [1] * x.dim()
+        for i in range(x.dim() - 2, -1, -1):
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+        if tuple(strides) != x.stride():
+            x = x.as_strided(x.shape, strides)
     torch._dynamo.decorators.mark_unbacked(x, d)
     return x
