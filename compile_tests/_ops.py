@@ -828,7 +828,8 @@ A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
 # The collectives of each case at 2 ranks: (forward, backward); backward None when
 # no input requires grad. The ragged ops start with one header all_gather (the size
 # exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common rows
-# plus one all_to_all_single of the rest, "pad" one all_gather of padded blocks.
+# plus world - 1 shifted all_to_all_singles of the rest (1 at 2 ranks), "pad" one
+# all_gather of padded blocks.
 RAGGED_GATHER = {AG: 2, A2A: 1}  # header + common rows + the rest
 EXPECTED_AT_2: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
     "all_gather-x3x5-dim0": ({AG: 1}, {RS: 1}),

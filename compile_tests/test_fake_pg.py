@@ -79,7 +79,7 @@ def _ragged_gather(world: int, strategy: str) -> tuple[dict[str, int], dict[str,
         strategy = "a2a" if world <= AUTO_A2A_MAX_WORLD else "pad"
     if strategy == "pad":
         return {AG: 1}, {RS: 1}  # padded blocks; backward through all_gather's adjoint
-    return {AG: 1, A2A: 1}, {A2A: 1}  # common rows + the rest; backward: ragged reduce_scatter
+    return {AG: 1, A2A: world - 1}, {A2A: 1}  # common rows + the rest; backward: ragged reduce_scatter
 
 
 def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:

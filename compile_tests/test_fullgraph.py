@@ -56,6 +56,14 @@ GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
 KNOWN_BUG_TIMEOUT_S = 30.0  # a known bug's batch alone: ample for one case's compiles, short if it hangs
 INDUCTOR_WORLD = 2
 INDUCTOR_DYNAMICS = (None, True, False)
+# At 3 ranks a ragged all-gather issues two all_to_all_singles (one per shift), whose
+# order inductor must keep on every rank: the ragged gathers also run there.
+INDUCTOR_WORLD3_CASES = (
+    "gather-auto-ragged-x_nx5-dim0",
+    "gather-a2a-ragged-x_nx5-dim0",
+    "all_gather_ragged-ragged-x3x_n-dim1",
+    "reduce_scatter-ragged-sizes-dim0",
+)
 
 
 def _compile_and_run(
@@ -217,6 +225,12 @@ def _inductor_params() -> list:
 @pytest.mark.parametrize(("case", "dynamic"), _inductor_params())
 def test_inductor_matches_eager_and_reference(case: OpCase, dynamic: bool | None) -> None:
     _check_case(_inductor_results(case), case, INDUCTOR_WORLD, ("compiled", dynamic))
+
+
+@pytest.mark.parametrize("case", [CASES_BY_ID[c] for c in INDUCTOR_WORLD3_CASES], ids=lambda c: f"w3-{c.id}")
+def test_inductor_at_3_ranks_matches_eager_and_reference(case: OpCase) -> None:
+    results = _results(3, INDUCTOR_WORLD3_CASES, "inductor", (None,), False, timeout=600)
+    _check_case(results, case, 3, ("compiled", None))
 
 
 # A collective called in inductor's code: ``torch.ops._c10d_functional.<op>.default(``.

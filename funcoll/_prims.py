@@ -172,31 +172,32 @@ def _all_gather_v_impl(
     """Ragged all-gather along dim 0 without padding.
 
     The first `common` rows of every rank (``common <= min(sizes)``) travel in one
-    all_gather; the rest of each rank's rows in one all_to_all_single that sends them
-    to every other rank. Every rank issues the same two collectives whatever the
-    sizes, and each one's input is this rank's own rows, so no compiler pass can
-    treat a collective as independent of the data on some ranks and move it (the
-    min-cut partitioner hoists tangent-independent nodes of a backward into the
-    forward, which would reorder one rank's collectives against another's).
+    all_gather; the rest of each rank's rows in ``size - 1`` all_to_all_singles,
+    the k-th of which sends them to rank ``rank + k`` (a shift by k). Each shift's
+    input is the rows themselves, so nothing is copied to be sent: one
+    all_to_all_single sending the rows to every rank at once would need them
+    repeated ``size - 1`` times in its input. Every rank issues the same
+    collectives whatever the sizes, and each one's input is this rank's own rows,
+    so no compiler pass can treat a collective as independent of the data on some
+    ranks and move it (the min-cut partitioner hoists tangent-independent nodes of
+    a backward into the forward, which would reorder one rank's collectives
+    against another's).
     """
     block = _wait(_F.all_gather_into_tensor(x.narrow(0, 0, common).contiguous(), size, name))
     extras = [n - common for n in sizes]
-    mine = x.narrow(0, common, extras[rank])
-    send = [0 if j == rank else extras[rank] for j in range(size)]
-    recv = [0 if i == rank else extras[i] for i in range(size)]
-    payload = (
-        mine.unsqueeze(0).expand(size - 1, *mine.shape).reshape((size - 1) * mine.shape[0], *mine.shape[1:])
-    )
-    got = _wait(_F.all_to_all_single(payload.contiguous(), recv, send, name))
+    mine = x.narrow(0, common, extras[rank]).contiguous()
+    received: dict[int, Tensor] = {}
+    for k in range(1, size):
+        to, frm = (rank + k) % size, (rank - k) % size
+        send = [extras[rank] if j == to else 0 for j in range(size)]
+        recv = [extras[frm] if i == frm else 0 for i in range(size)]
+        received[frm] = _wait(_F.all_to_all_single(mine, recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
-    # torch.split, not narrows at running offsets: those offsets are sums of unbacked
-    # sizes, which fake tensors could not tie to the outputs at 4 ranks and more.
-    received = iter(torch.split(got, [e for i, e in enumerate(extras) if i != rank]))
     pieces = []
     for i in range(size):
         pieces.append(block.narrow(0, i * common, common))
-        pieces.append(mine if i == rank else next(received))
+        pieces.append(mine if i == rank else received[i])
     return torch.cat(pieces, 0)
 
 
@@ -222,12 +223,12 @@ def _reduce_scatter_v_impl(
     return stacked.prod(0)
 
 
-# "auto" sends what does not fit the common all_gather with one all_to_all_single,
-# whose input repeats this rank's extra rows world - 1 times: cheap on the wire but
-# a local copy that grows with the world. Past this many ranks "auto" pads instead
-# (one all_gather). The number is a static choice (so every rank makes the same
-# one), set from this reasoning, not from a measurement: the machine funcoll is
-# tested on runs at most 4 ranks.
+# "auto" sends what does not fit the common all_gather with world - 1 shifted
+# all_to_all_singles: no copies, but a number of collectives, and so of latencies,
+# that grows with the world. Past this many ranks "auto" pads instead (one
+# all_gather). The number is a static choice (so every rank makes the same one),
+# set from this reasoning, not from a measurement: the machine funcoll is tested
+# on runs at most 4 ranks.
 AUTO_BCAST_MAX_WORLD = 8
 
 

@@ -77,11 +77,12 @@ def gather(
         strategy: how the rows travel when ``dst`` is None:
             ``"auto"`` (default) sends the rows every rank has (the first
             ``min(sizes)``) in one all_gather and the rest of each rank's rows in
-            one all_to_all_single: no padding, and with equal sizes all the data
-            goes in the all_gather (above 8 ranks it pads instead);
+            ``world - 1`` all_to_all_singles, the k-th sending them to rank
+            ``rank + k``: no padding and no copy to send, and with equal sizes
+            all the data goes in the all_gather (above 8 ranks it pads instead);
             ``"pad"`` pads to ``max(sizes)``, all_gathers and cuts the padding off
             (no copies when sizes are equal); ``"a2a"`` sends everything in the
-            all_to_all_single. Each issues the same collectives whatever the
+            all_to_all_singles. Each issues the same collectives whatever the
             sizes, in eager and compiled code alike.
 
     Returns:
