@@ -229,7 +229,7 @@ def _reduce_scatter_v_impl(
 # all_gather). The number is a static choice (so every rank makes the same one),
 # set from this reasoning, not from a measurement: the machine funcoll is tested
 # on runs at most 4 ranks.
-AUTO_BCAST_MAX_WORLD = 8
+AUTO_SHIFTS_MAX_WORLD = 8
 
 
 def _sym_min(sizes: Sequence[IntLike]) -> IntLike:
@@ -292,7 +292,7 @@ def gather_rows(
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
-    if strategy == "auto" and size > AUTO_BCAST_MAX_WORLD:
+    if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD:
         strategy = "pad"
     if strategy == "pad":
         if _all_equal(sizes):  # nothing to pad and nothing to cut
