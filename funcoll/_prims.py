@@ -307,6 +307,35 @@ def gather_rows(
     return all_gather_v(x, sizes, common, name, size, rank, stats)
 
 
+def gather_pieces(
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    strategy: str,
+    name: str,
+    size: int,
+    rank: int,
+    stats: Stats | None = None,
+) -> list[Tensor]:
+    """:func:`gather_rows` as one tensor per rank: views into what the collectives return.
+
+    The padded layout hands out each rank's block of the all_gather as it is
+    (rank i's rows start at ``i * max(sizes)``), so no piece's offset is a sum over
+    the ranks before it: those sums make a trace quadratic in the world size.
+    """
+    sizes = list(sizes)
+    if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD:
+        strategy = "pad"
+    if strategy != "pad" or _all_equal(sizes):
+        return list(torch.split(gather_rows(x, sizes, strategy, name, size, rank, stats), sizes))
+    torch._check(x.shape[0] == sizes[rank])
+    longest = _sym_max(sizes) if stats is None else stats[1]
+    for n in sizes:
+        torch._check(longest - n >= 0)
+    padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    blocks = all_gather0(padded, name, size)
+    return [blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
+
+
 class _AllGatherV(torch.autograd.Function):
     @staticmethod
     def forward(

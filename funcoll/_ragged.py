@@ -162,8 +162,10 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
     g = resolve_group(op, group)
     if g.is_single:
         return [fresh(x)]
-    y, sizes, _ = ragged_all_gather("all_gather_list", x, d, g)
-    return list(torch.split(y, sizes, d))
+    _, ints = exchange("all_gather_list", x, d, g, args=(-1, STRATEGIES.index("auto")))
+    sizes, stats = split_stats(ints, g.size)
+    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sizes, "auto", g.name, g.size, g.rank, stats)
+    return [unwire(p, x.dtype).movedim(0, d) for p in pieces]
 
 
 def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tuple[Tensor, Tensor]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from _inputs import seeded
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -592,3 +593,56 @@ def test_reduce_scatter_ragged_bool_sum_product() -> None:
             want = torch.split(expected[rop], [3, 2])[r]
             where = f"rank {r} {rop}"
             torch.testing.assert_close(got[rop], want, rtol=0, atol=0, msg=lambda m, w=where: f"{w}: {m}")
+
+
+# ------------------------------------------------------- the layout "auto" takes past 8 ranks
+MANY_RANKS_SIZES = {2: [3, 0], 3: [0, 4, 1], 4: [2, 0, 5, 1]}
+
+
+def many_ranks_input(world: int, rank: int, dim: int) -> Tensor:
+    shape = [3, 2]
+    shape[dim] = MANY_RANKS_SIZES[world][rank]
+    return seeded(shape, torch.float64, "many-ranks", world, rank, dim)
+
+
+def many_ranks_ops(x: Tensor, dim: int) -> list[Tensor]:
+    y = funcoll.gather(x, dim)
+    pieces = funcoll.all_gather_list(x, dim)
+    z, _ = funcoll.all_gather_ragged(x, dim)
+    return [y, *pieces, z]
+
+
+def many_ranks_body(rank: int, world: int) -> dict[int, Any]:
+    # What "auto" does above 8 ranks (pad, cut by index, the list as views of the
+    # padded blocks), here on 2-4 real ranks: lower the threshold in this process.
+    funcoll._prims.AUTO_SHIFTS_MAX_WORLD = 1
+    out = {}
+    for dim in (0, -1):
+        x = many_ranks_input(world, rank, dim).requires_grad_()
+        outs = many_ranks_ops(x, dim)
+        weights = [seeded(o.shape, torch.float64, "many-ranks-w", rank, k) for k, o in enumerate(outs)]
+        sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).backward()
+        out[dim] = ([o.detach() for o in outs], x.grad)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS[1:], ids=[f"w{w}" for w in WORLDS[1:]])
+def test_padded_auto_layout_of_many_ranks(world: int) -> None:
+    ranks = run_ranks(many_ranks_body, world, timeout=60)
+    for dim in (0, -1):
+        xs = [many_ranks_input(world, r, dim).requires_grad_() for r in range(world)]
+        full = torch.cat(xs, dim)
+        want = [full, *xs, full]
+        total = 0
+        for r in range(world):
+            weights = [seeded(o.shape, torch.float64, "many-ranks-w", r, k) for k, o in enumerate(want)]
+            total = total + sum((o * w).sum() for o, w in zip(want, weights, strict=True))
+        grads = torch.autograd.grad(total, xs)
+        for r, got in enumerate(ranks):
+            outs, grad = got[dim]
+            assert len(outs) == len(want), f"rank {r} dim {dim}: {len(outs)} outputs"
+            for k, (o, w) in enumerate(zip(outs, want, strict=True)):
+                torch.testing.assert_close(
+                    o, w.detach(), rtol=0, atol=0, msg=f"rank {r} dim {dim} output {k}"
+                )
+            torch.testing.assert_close(grad, grads[r], msg=f"rank {r} dim {dim}: grad")
