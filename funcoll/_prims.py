@@ -269,6 +269,21 @@ def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLik
     return blocks.index_select(0, index)
 
 
+def _resolve(strategy: str, size: int) -> str:
+    """The strategy that runs: "auto" pads past AUTO_SHIFTS_MAX_WORLD ranks."""
+    return "pad" if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD else strategy
+
+
+def _padded_blocks(
+    x: Tensor, sizes: list[IntLike], stats: Stats | None, name: str, size: int
+) -> tuple[Tensor, IntLike]:
+    """All-gather `x` padded to ``max(sizes)`` rows: (the ``size * max`` rows, max)."""
+    longest = _sym_max(sizes) if stats is None else stats[1]
+    torch._check(longest - x.shape[0] >= 0)
+    padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    return all_gather0(padded, name, size), longest
+
+
 def gather_rows(
     x: Tensor,
     sizes: Sequence[IntLike],
@@ -292,15 +307,13 @@ def gather_rows(
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
-    if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD:
-        strategy = "pad"
+    strategy = _resolve(strategy, size)
     if strategy == "pad":
         if _all_equal(sizes):  # nothing to pad and nothing to cut
             return all_gather0(x, name, size)
-        longest, total = (_sym_max(sizes), sum(sizes)) if stats is None else stats[1:]
-        torch._check(longest - x.shape[0] >= 0)
-        padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
-        return _unpad(all_gather0(padded, name, size), sizes, longest, total)
+        blocks, longest = _padded_blocks(x, sizes, stats, name, size)
+        total = sum(sizes) if stats is None else stats[2]
+        return _unpad(blocks, sizes, longest, total)
     common = 0 if strategy == "a2a" else (_sym_min(sizes) if stats is None else stats[0])
     for n in sizes:
         torch._check(n - common >= 0)
@@ -323,16 +336,12 @@ def gather_pieces(
     the ranks before it: those sums make a trace quadratic in the world size.
     """
     sizes = list(sizes)
-    if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD:
-        strategy = "pad"
-    if strategy != "pad" or _all_equal(sizes):
+    if _resolve(strategy, size) != "pad" or _all_equal(sizes):
         return list(torch.split(gather_rows(x, sizes, strategy, name, size, rank, stats), sizes))
     torch._check(x.shape[0] == sizes[rank])
-    longest = _sym_max(sizes) if stats is None else stats[1]
+    blocks, longest = _padded_blocks(x, sizes, stats, name, size)
     for n in sizes:
         torch._check(longest - n >= 0)
-    padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
-    blocks = all_gather0(padded, name, size)
     return [blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
 
 
