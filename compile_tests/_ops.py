@@ -59,6 +59,7 @@ __all__ = [
     "A2A",
     "AG",
     "AR",
+    "AUTO_A2A_MAX_WORLD",
     "BC",
     "CASES",
     "CASES_BY_ID",
@@ -71,6 +72,7 @@ __all__ = [
     "OpCase",
     "Outputs",
     "collective_counts",
+    "expected_collectives",
     "flatten",
     "forbidden_calls",
     "has_error",
@@ -825,50 +827,83 @@ def forbidden_calls(calls: list[dict[str, Any]]) -> list[str]:
 AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
 
-# The collectives of each case at 2 ranks: (forward, backward); backward None when
-# no input requires grad. The ragged ops start with one header all_gather (the size
-# exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common rows
-# plus world - 1 shifted all_to_all_singles of the rest (1 at 2 ranks), "pad" one
-# all_gather of padded blocks.
-RAGGED_GATHER = {AG: 2, A2A: 1}  # header + common rows + the rest
-EXPECTED_AT_2: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
-    "all_gather-x3x5-dim0": ({AG: 1}, {RS: 1}),
-    "all_gather-x3x5-dim1-noncontig": ({AG: 1}, {RS: 1}),
-    "all_gather-untiled-x3x5-dim0": ({AG: 1}, {RS: 1}),
-    "all_gather-untiled-x3x5-dim1": ({AG: 1}, {RS: 1}),
-    "all_gather_into_tensor-x3x5": ({AG: 1}, {RS: 1}),
-    "reduce_scatter-x2wx5-dim0": ({RS: 1}, {AG: 1}),
-    "reduce_scatter-x3x2w-dim-1": ({RS: 1}, {AG: 1}),
-    "reduce_scatter-ragged-sizes-dim0": ({AG: 1, A2A: 1}, {AG: 1, A2A: 1}),  # bw: ragged all-gather
-    "all_reduce-x3x5": ({AR: 1}, {AR: 1}),
-    "all_to_all-x2x3x2wx5-scatter2-gather1": ({A2A: 1}, {A2A: 1}),
-    "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": ({A2A: 1}, {A2A: 1}),
-    "ppermute-ring-x3x5": ({A2A: 1}, {A2A: 1}),
-    "ppermute-first-to-last-x3x5": ({A2A: 1}, {A2A: 1}),
-    "broadcast-src-last-x3x5": ({BC: 1}, {AR: 1}),
-    "axis_index-axis_size-x3x5": ({}, {}),
-    "split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
-    "split_forward_gather_backward-x3x2w+1-dim-1-up": ({}, {AG: 1, A2A: 1}),
-    "gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
-    "gather_forward_split_backward-ragged-x3x_n-dim-1-down": (RAGGED_GATHER, {}),
-    "gather-auto-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "gather-auto-ragged-x3x_n-dim-1-noncontig": (RAGGED_GATHER, {A2A: 1}),
-    "gather-pad-ragged-x_nx5-dim0": ({AG: 2}, {RS: 1}),
-    "gather-a2a-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "gather-dst0-ragged-x_nx5-dim0-nograd": ({AG: 1, A2A: 1}, None),
-    "all_gather_list-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "all_gather_ragged-ragged-x3x_n-dim1": (RAGGED_GATHER, {A2A: 1}),
-    "all_to_all_v-recv-exchanged-x_nx5": ({AG: 1, A2A: 1}, {A2A: 1}),
-    "all_to_all_v-recv-given-x_nx5": ({A2A: 1}, {A2A: 1}),
-    "compat.gather-ragged-x_nx5-dim0": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_gather-ragged-1d": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_gather_nd-ragged-x_nx2x3": (RAGGED_GATHER, {A2A: 1}),
-    "compat.all_to_all-x2x3x2wx5": ({A2A: 1}, {A2A: 1}),
-    "compat.split_forward_gather_backward-x2w+1x5-dim0": ({}, {AG: 1, A2A: 1}),
-    "compat.gather_forward_split_backward-ragged-x_nx5-dim0": (RAGGED_GATHER, {}),
-    "compat.all_gather_into_tensor-x3x5-out-allocated-inside": ({AG: 1}, {RS: 1}),
-    "compat.all_gather_into_tensor-x3x5-out-buffer-input": ({AG: 1}, None),
-}
+# The collectives of each case at `world` ranks: (forward, backward); backward None
+# when no input requires grad. The ragged ops start with one header all_gather (the
+# size exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common
+# rows plus world - 1 shifted all_to_all_singles of the rest, "pad" one all_gather of
+# padded blocks, and "auto" pads above AUTO_A2A_MAX_WORLD ranks (funcoll.gather's
+# docstring).
+AUTO_A2A_MAX_WORLD = 8
+_HEADER = {AG: 1}
+
+
+def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+
+def _ragged_gather(world: int, strategy: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) collectives of a ragged all-gather after the size header."""
+    if strategy == "auto":
+        strategy = "a2a" if world <= AUTO_A2A_MAX_WORLD else "pad"
+    if strategy == "pad":
+        return {AG: 1}, {RS: 1}  # padded blocks; backward through all_gather's adjoint
+    return {AG: 1, A2A: world - 1}, {A2A: 1}  # common rows + the rest; backward: ragged reduce_scatter
+
+
+def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict[str, int] | None]:
+    """The collectives (forward, backward) of a case at `world` ranks."""
+    auto_fw, auto_bw = _ragged_gather(world, "auto")
+    gather = _plus(_HEADER, auto_fw), auto_bw  # size header, then the rows
+    even = {
+        "all_gather": ({AG: 1}, {RS: 1}),
+        "reduce_scatter": ({RS: 1}, {AG: 1}),
+        "all_reduce": ({AR: 1}, {AR: 1}),
+        "all_to_all": ({A2A: 1}, {A2A: 1}),
+        "ppermute": ({A2A: 1}, {A2A: 1}),
+        "broadcast": ({BC: 1}, {AR: 1}),
+    }
+    table: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
+        "all_gather-x3x5-dim0": even["all_gather"],
+        "all_gather-x3x5-dim1-noncontig": even["all_gather"],
+        "all_gather-untiled-x3x5-dim0": even["all_gather"],
+        "all_gather-untiled-x3x5-dim1": even["all_gather"],
+        "all_gather_into_tensor-x3x5": even["all_gather"],
+        "reduce_scatter-x2wx5-dim0": even["reduce_scatter"],
+        "reduce_scatter-x3x2w-dim-1": even["reduce_scatter"],
+        "reduce_scatter-ragged-sizes-dim0": (_plus(_HEADER, {A2A: 1}), auto_fw),  # bw: ragged all-gather
+        "all_reduce-x3x5": even["all_reduce"],
+        "all_to_all-x2x3x2wx5-scatter2-gather1": even["all_to_all"],
+        "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": even["all_to_all"],
+        "ppermute-ring-x3x5": even["ppermute"],
+        "ppermute-first-to-last-x3x5": even["ppermute"],
+        "broadcast-src-last-x3x5": even["broadcast"],
+        "axis_index-axis_size-x3x5": ({}, {}),
+        "split_forward_gather_backward-x2w+1x5-dim0": ({}, auto_fw),
+        "split_forward_gather_backward-x3x2w+1-dim-1-up": ({}, auto_fw),
+        "gather_forward_split_backward-ragged-x_nx5-dim0": (gather[0], {}),
+        "gather_forward_split_backward-ragged-x3x_n-dim-1-down": (gather[0], {}),
+        "gather-auto-ragged-x_nx5-dim0": gather,
+        "gather-auto-ragged-x3x_n-dim-1-noncontig": gather,
+        "gather-pad-ragged-x_nx5-dim0": (_plus(_HEADER, {AG: 1}), {RS: 1}),
+        "gather-a2a-ragged-x_nx5-dim0": (_plus(_HEADER, {AG: 1, A2A: world - 1}), {A2A: 1}),
+        "gather-dst0-ragged-x_nx5-dim0-nograd": (_plus(_HEADER, {A2A: 1}), None),
+        "all_gather_list-ragged-x_nx5-dim0": gather,
+        "all_gather_ragged-ragged-x3x_n-dim1": gather,
+        "all_to_all_v-recv-exchanged-x_nx5": (_plus(_HEADER, {A2A: 1}), {A2A: 1}),
+        "all_to_all_v-recv-given-x_nx5": even["all_to_all"],
+        "compat.gather-ragged-x_nx5-dim0": gather,
+        "compat.all_gather-ragged-1d": gather,
+        "compat.all_gather_nd-ragged-x_nx2x3": gather,
+        "compat.all_to_all-x2x3x2wx5": even["all_to_all"],
+        "compat.split_forward_gather_backward-x2w+1x5-dim0": ({}, auto_fw),
+        "compat.gather_forward_split_backward-ragged-x_nx5-dim0": (gather[0], {}),
+        "compat.all_gather_into_tensor-x3x5-out-allocated-inside": even["all_gather"],
+        "compat.all_gather_into_tensor-x3x5-out-buffer-input": ({AG: 1}, None),
+    }
+    return table[case_id]
+
+
+EXPECTED_AT_2 = {c.id: expected_collectives(c.id, 2) for c in CASES}
 
 # ------------------------------------------------------------------------------ batches
 STOPPED = "__stopped__"  # key of a rank's results when its batch stopped early

@@ -29,14 +29,24 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from _ops import CASES_BY_ID, COLLECTIVE_PREFIX, KNOWN_BUGS, OpCase, collective_counts, trace_graphs
+from _ops import (
+    A2A,
+    AG,
+    AR,
+    BC,
+    CASES_BY_ID,
+    COLLECTIVE_PREFIX,
+    KNOWN_BUGS,
+    RS,
+    WAIT,
+    OpCase,
+    collective_counts,
+    expected_collectives,
+    trace_graphs,
+)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from funcoll.testing import run_ranks
-
-AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
-A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
-AUTO_A2A_MAX_WORLD = 8  # funcoll.gather docstring: above 8 ranks "auto" pads instead
 
 EVEN_CASES = (
     "all_gather-x3x5-dim0",
@@ -66,51 +76,6 @@ PLAN: dict[int, dict[str, bool]] = {
     64: dict.fromkeys(_ALL, True),
     1024: {c: True for c in _ALL if c != "gather-a2a-ragged-x_nx5-dim0"},
 }
-
-
-def _ragged_gather(world: int, strategy: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(forward, backward) collectives of a ragged all-gather after the size header."""
-    if strategy == "auto":
-        strategy = "a2a" if world <= AUTO_A2A_MAX_WORLD else "pad"
-    if strategy == "pad":
-        return {AG: 1}, {RS: 1}  # padded blocks; backward through all_gather's adjoint
-    return {AG: 1, A2A: world - 1}, {A2A: 1}  # common rows + the rest; backward: ragged reduce_scatter
-
-
-def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
-
-
-def expected(case_id: str, world: int) -> tuple[dict[str, int], dict[str, int]]:
-    """The collectives (forward, backward) of a case at `world` ranks."""
-    header = {AG: 1}
-    auto_fw = _ragged_gather(world, "auto")[0]
-
-    def after_header(strategy: str) -> tuple[dict[str, int], dict[str, int]]:
-        fw, bw = _ragged_gather(world, strategy)
-        return _plus(header, fw), bw
-
-    table: dict[str, tuple[dict[str, int], dict[str, int]]] = {
-        "all_gather-x3x5-dim0": ({AG: 1}, {RS: 1}),
-        "all_gather-untiled-x3x5-dim1": ({AG: 1}, {RS: 1}),
-        "reduce_scatter-x2wx5-dim0": ({RS: 1}, {AG: 1}),
-        "all_reduce-x3x5": ({AR: 1}, {AR: 1}),
-        "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": ({A2A: 1}, {A2A: 1}),
-        "ppermute-ring-x3x5": ({A2A: 1}, {A2A: 1}),
-        "broadcast-src-last-x3x5": ({BC: 1}, {AR: 1}),
-        "all_to_all_v-recv-given-x_nx5": ({A2A: 1}, {A2A: 1}),
-        "split_forward_gather_backward-x2w+1x5-dim0": ({}, auto_fw),  # bw: a ragged all-gather
-        "reduce_scatter-ragged-sizes-dim0": (_plus(header, {A2A: 1}), auto_fw),
-        "gather-auto-ragged-x_nx5-dim0": after_header("auto"),
-        "gather-pad-ragged-x_nx5-dim0": after_header("pad"),
-        "gather-a2a-ragged-x_nx5-dim0": after_header("a2a"),
-        "gather-dst0-ragged-x_nx5-dim0-nograd": (_plus(header, {A2A: 1}), {}),
-        "gather_forward_split_backward-ragged-x_nx5-dim0": (_plus(header, auto_fw), {}),
-        "all_to_all_v-recv-exchanged-x_nx5": (_plus(header, {A2A: 1}), {A2A: 1}),
-        "all_gather_list-ragged-x_nx5-dim0": after_header("auto"),
-        "all_gather_ragged-ragged-x3x_n-dim1": after_header("auto"),
-    }
-    return table[case_id]
 
 
 def _trace_on_fake_group(rank: int, world: int, fake_world: int, plan: dict[str, bool]) -> dict:
@@ -166,7 +131,7 @@ def test_trace_structure_at_world(world: int, case: OpCase, backward: bool) -> N
     got = traced[case.id]
     if "error" in got:
         pytest.fail(got["error"])
-    want_fw, want_bw = expected(case.id, world)
+    want_fw, want_bw = expected_collectives(case.id, world)
     kinds = [("forward", got["graphs"]["fw"], want_fw)]
     if backward and case.grad != "none":
         kinds.append(("backward", got["graphs"]["bw"], want_bw))
