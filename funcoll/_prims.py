@@ -189,8 +189,12 @@ def _all_gather_v_impl(
     received: dict[int, Tensor] = {}
     for k in range(1, size):
         to, frm = (rank + k) % size, (rank - k) % size
-        send = [extras[rank] if j == to else 0 for j in range(size)]
-        recv = [extras[frm] if i == frm else 0 for i in range(size)]
+        # `[0] * size` then one store: dynamo traces that in O(1) bytecode steps, a
+        # comprehension in O(size), which is O(size**2) over the shifts.
+        send = [0] * size
+        send[to] = extras[rank]
+        recv = [0] * size
+        recv[frm] = extras[frm]
         received[frm] = _wait(_F.all_to_all_single(mine, recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
