@@ -337,6 +337,33 @@ def _ref_all_to_all_v(all_inputs: list[Inputs], world: int) -> list[Outputs]:
     ]
 
 
+# ------------------------------------------------------------------- static-shape ragged
+PADDED_BOUND = 4  # >= every ragged_sizes() entry, so each rank's length fits
+
+
+def _inputs_padded(case: str, dim: int, noncontig: bool = False) -> Callable[[int, int], Inputs]:
+    """x of shape (3, 5) with the bound at `dim`, and this rank's length as a 0-d int64 tensor."""
+
+    def build(rank: int, world: int) -> Inputs:
+        shape = [3, 5]
+        shape[dim] = PADDED_BOUND
+        x = _randn((case, rank), shape, noncontig)
+        return (x, torch.tensor(ragged_sizes(world)[rank], dtype=torch.int64))
+
+    return build
+
+
+def _ref_gather_padded(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
+    def ref(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+        lengths = [int(inp[1]) for inp in all_inputs]
+        data = torch.cat([inp[0].narrow(dim, 0, n) for inp, n in zip(all_inputs, lengths, strict=True)], dim)
+        pad = list(data.shape)
+        pad[dim] = world * PADDED_BOUND - data.shape[dim]
+        return _same(world, [torch.cat([data, data.new_zeros(pad)], dim), torch.tensor(lengths)])
+
+    return ref
+
+
 # ------------------------------------------------------------------------------- compat
 def _call_compat_all_gather(q: Tensor) -> list[Tensor]:
     return compat.all_gather(q, funcoll.axis_size(), q.device)
@@ -546,6 +573,18 @@ CASES: list[OpCase] = [
         _shaped("all_to_all_v-recv-given-x_nx5", _send_total, 5),
         call=_call_all_to_all_v_given,
         reference=_ref_all_to_all_v,
+    ),
+    _case(
+        "gather_padded-x4x5-dim0",
+        _inputs_padded("gather_padded-x4x5-dim0", 0),
+        call=lambda x, n: funcoll.gather_padded(x, n),
+        reference=_ref_gather_padded(0),
+    ),
+    _case(
+        "gather_padded-x3x4-dim-1-noncontig",
+        _inputs_padded("gather_padded-x3x4-dim-1-noncontig", -1, noncontig=True),
+        call=lambda x, n: funcoll.gather_padded(x, n, -1),
+        reference=_ref_gather_padded(-1),
     ),
     # compat (the seed helpers' signatures)
     _case(
@@ -891,6 +930,8 @@ def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict
         "all_gather_ragged-ragged-x3x_n-dim1": gather,
         "all_to_all_v-recv-exchanged-x_nx5": (_plus(_HEADER, {A2A: 1}), {A2A: 1}),
         "all_to_all_v-recv-given-x_nx5": even["all_to_all"],
+        "gather_padded-x4x5-dim0": ({AG: 2}, {RS: 1}),  # length header, then the padded rows
+        "gather_padded-x3x4-dim-1-noncontig": ({AG: 2}, {RS: 1}),
         "compat.gather-ragged-x_nx5-dim0": gather,
         "compat.all_gather-ragged-1d": gather,
         "compat.all_gather_nd-ragged-x_nx2x3": gather,

@@ -66,6 +66,16 @@ def _tour(rank: int, world: int) -> list[tuple[str, bool, str]]:
     want = torch.cat([torch.full(((i + rank) % 3,), 10.0 * i + rank) for i in range(world)])
     check("all_to_all_v", got, want, f"send {send} recv {recv.tolist()}")  # host sync: demo print
 
+    # Static shapes: the same rows padded to a bound, the lengths kept on the device.
+    bound = 4
+    padded = torch.cat(
+        [_rank_rows(rank, sizes[rank]), torch.zeros(bound - sizes[rank], 3, dtype=torch.float64)]
+    )
+    yp, lens = funcoll.gather_padded(padded, torch.tensor(sizes[rank]))
+    want_padded = torch.cat([full, full.new_zeros(world * bound - full.shape[0], 3)])
+    check("gather_padded", yp, want_padded, f"bound {bound} -> {tuple(yp.shape)}, sizes stay on the device")
+    lines[-1] = (lines[-1][0], lines[-1][1] and lens.tolist() == sizes, lines[-1][2])  # host sync: demo check
+
     # The same ragged step compiled: one graph, no recompiles as sizes change.
     from torch._dynamo.testing import CompileCounterWithBackend
 
