@@ -26,7 +26,9 @@ a ctx: only the group name, size and rank, which are plain Python values.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -165,6 +167,74 @@ def broadcast(x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
     return _Broadcast.apply(x, src, name, size, rank)
 
 
+# ------------------------------------------------------------- row moves (Triton on CUDA)
+def row_kernels(t: Tensor) -> ModuleType | None:
+    """``funcoll._kernels`` when eager code should move `t`'s rows with its Triton kernels.
+
+    On CUDA tensors, when triton imports, unless ``FUNCOLL_TRITON=0``.
+    ``FUNCOLL_TRITON=1`` takes CPU tensors too, under ``TRITON_INTERPRET=1``: how
+    the tests run the kernels on a machine without a GPU. A compiled graph keeps
+    the torch ops (inductor fuses them). The setting is read at every call.
+    """
+    mode = os.environ.get("FUNCOLL_TRITON", "auto")
+    if mode == "0" or torch.compiler.is_compiling() or not (t.is_cuda or mode == "1"):
+        return None
+    try:
+        from . import _kernels
+    except ImportError:  # no triton: the torch ops do the same
+        return None
+    return _kernels
+
+
+class _PadRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
+        ctx.n = x.shape[0]
+        return kernels.pad_rows(x, n_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad.narrow(0, 0, ctx.n), None, None
+
+
+class _PackRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType
+    ) -> Tensor:
+        ctx.save_for_backward(sizes)
+        ctx.bound, ctx.kernels = bound, kernels
+        return kernels.pack_rows(blocks, sizes, bound, n_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (sizes,) = ctx.saved_tensors
+        return ctx.kernels.unpack_rows(grad, sizes, ctx.bound), None, None, None, None
+
+
+def pad_rows(x: Tensor, n_out: IntLike) -> Tensor:
+    """`x` followed by zero rows up to `n_out`: ``(n, *R) -> (n_out, *R)``; one launch on CUDA."""
+    kernels = row_kernels(x)
+    if kernels is not None:
+        return _PadRows.apply(x, n_out, kernels)
+    torch._check(n_out - x.shape[0] >= 0)
+    return torch.cat([x, x.new_zeros((n_out - x.shape[0], *x.shape[1:]))])
+
+
+def pack_rows(blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike) -> Tensor | None:
+    """Padded -> packed with the Triton kernel (one launch; its backward one more), or None.
+
+    Rank i's ``sizes[i]`` rows at ``i * bound`` of `blocks` go to the running sum of
+    the sizes before i; rows past ``sum(sizes)`` up to `n_out` are zero. None when
+    the kernels do not serve `blocks` (see :func:`row_kernels`): the caller then
+    does the same with torch ops.
+    """
+    kernels = row_kernels(blocks)
+    if kernels is None:
+        return None
+    return _PackRows.apply(blocks, sizes, bound, n_out, kernels)
+
+
 # ------------------------------------------------------------------ ragged gather/scatter
 def _all_gather_v_impl(
     x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
@@ -256,7 +326,8 @@ def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLik
 
     One index_select with an index computed on the device, rather than a narrow per
     rank: the graph stays the same size whatever the world size, and no size of the
-    result depends on an expression over every rank's length but their sum.
+    result depends on an expression over every rank's length but their sum. In
+    eager code on CUDA one Triton kernel does it instead (:func:`pack_rows`).
     """
     dev = blocks.device
     if torch.compiler.is_compiling():
@@ -265,6 +336,9 @@ def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLik
         # Built on the host and copied without blocking: from pageable memory the copy
         # is staged at once, and a plain `.to(dev)` would wait for the device.
         counts = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
+    packed = pack_rows(blocks, counts, longest, total)  # CUDA eager: one Triton launch
+    if packed is not None:
+        return packed
     ranks = torch.arange(len(sizes), device=dev)
     owner = torch.repeat_interleave(ranks, counts, output_size=total)  # the rank of each result row
     # row j of the result, from rank i, is row j - start_i of rank i's block at i * longest
@@ -284,8 +358,7 @@ def _padded_blocks(
     """All-gather `x` padded to ``max(sizes)`` rows: (the ``size * max`` rows, max)."""
     longest = _sym_max(sizes) if stats is None else stats[1]
     torch._check(longest - x.shape[0] >= 0)
-    padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
-    return all_gather0(padded, name, size), longest
+    return all_gather0(pad_rows(x, longest), name, size), longest
 
 
 def gather_rows(

@@ -1,0 +1,113 @@
+"""The pad and the cut around a padded all_gather on CUDA: Triton kernels vs the torch ops.
+
+Run (needs a CUDA GPU and triton): ``python benchmarks/bench_row_kernels.py [--mb 64] [--iters 50]``
+
+No collective runs: this times the local row moves alone, on the layout an all_gather
+of `world` padded blocks leaves (rank i's rows at ``i * max(sizes)``), in one process,
+side by side. For each world size and layout it times, with CUDA events (median of
+`iters` after a warm-up), each move both ways:
+
+- ``pad``: this rank's rows followed by zeros up to ``max(sizes)``;
+- ``cut``: the padded blocks -> the ranks' rows packed in order (``gather``'s "pad"
+  strategy, ``sum(sizes)`` rows);
+- ``pack``: the same into ``world * max`` rows, zeros after (``gather_padded``);
+- ``cut+bw``: the cut and its backward, which scatters the gradient back to the
+  padded layout (autograd's index_add on the torch path, one kernel on the other).
+
+``torch`` is funcoll's torch-op path (what runs with ``FUNCOLL_TRITON=0``, and what a
+compiled graph holds before inductor fuses it); ``triton`` is the kernel. The ratio
+column is triton / torch (below 1: the kernel is faster). Both read the sizes from the
+device; neither syncs with the host.
+
+Layouts: ``equal`` (every rank the same rows) and ``skew16`` (rank 0 16x the rows of
+the others), float32 and bfloat16 rows of 1024 elements, `mb` MB of rows in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from funcoll import _prims
+
+ROW = 1024
+
+
+def _time_ms(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _with(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        os.environ["FUNCOLL_TRITON"] = mode
+        return fn()
+
+    return run
+
+
+def _sizes(world: int, layout: str, total_rows: int) -> list[int]:
+    weights = [16 if (layout == "skew16" and r == 0) else 1 for r in range(world)]
+    return [total_rows * w // sum(weights) for w in weights]
+
+
+def _moves(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> dict[str, Callable[[], object]]:
+    from funcoll._static import _pack
+
+    world, longest, total = len(sizes), max(sizes), sum(sizes)
+    blocks = torch.randn(world * longest, ROW, device=dev).to(dtype)
+    counts = torch.tensor(sizes, device=dev)
+    mine = torch.randn(sizes[-1], ROW, device=dev).to(dtype)
+    leaf = blocks.clone().requires_grad_()
+    grad = torch.randn(total, ROW, device=dev).to(dtype)
+
+    def cut_fw_bw() -> object:  # the cut and its backward (the scatter back to the padded layout)
+        return torch.autograd.grad(_prims._unpad(leaf, sizes, longest, total), leaf, grad)
+
+    return {
+        "pad": lambda: _prims.pad_rows(mine, longest),
+        "cut": lambda: _prims._unpad(blocks, sizes, longest, total),
+        "pack": lambda: _pack(blocks, counts, longest),
+        "cut+bw": cut_fw_bw,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 64])
+    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_row_kernels: needs a CUDA GPU (the kernels serve CUDA tensors)")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; median ms of {args.iters}")
+    print(f"{'world':>5} {'layout':>7} {'dtype':>9} {'move':>7} {'torch':>8} {'triton':>8} {'ratio':>6}")
+    for dtype in (torch.float32, torch.bfloat16):
+        total_rows = args.mb * 2**20 // (ROW * dtype.itemsize)
+        for world in args.worlds:
+            for layout in ("equal", "skew16"):
+                moves = _moves(_sizes(world, layout, total_rows), dtype, torch.device("cuda"))
+                for name, fn in moves.items():
+                    t_torch = _time_ms(_with("0", fn), args.iters)
+                    t_triton = _time_ms(_with("auto", fn), args.iters)
+                    print(
+                        f"{world:>5} {layout:>7} {str(dtype)[6:]:>9} {name:>7} "
+                        f"{t_torch:8.3f} {t_triton:8.3f} {t_triton / t_torch:6.2f}"
+                    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""funcoll's Triton row kernels (``funcoll/_kernels.py``) and the ops that take them.
+
+The kernels move rows between the padded layout (rank i's ``sizes[i]`` rows at
+``i * bound``) and the packed one (at the running sum of the sizes). The references
+here are built row by row with ``torch.cat`` of slices and zeros, in the parent.
+
+Without a GPU the kernels run on CPU tensors under ``TRITON_INTERPRET=1``, which
+must be set before triton is imported (triton's own library functions are jitted at
+import). So every test runs its kernels in fresh child processes (``run_ranks`` with
+the spawn start method) whose environment sets it, together with
+``FUNCOLL_TRITON=1``, which makes funcoll's eager ops take the kernels for CPU
+tensors too. On a CUDA machine the single-process cases run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from _inputs import seeded
+from torch import Tensor
+
+import funcoll
+from funcoll.testing import run_ranks
+
+pytest.importorskip("triton")
+
+TIMEOUT_S = 180.0
+F32, F64, BF16, I64, BOOL, C64, U8 = (
+    torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.uint8,
+)  # fmt: skip
+
+
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def run_with_kernels(fn: Callable[..., Any], world: int) -> list[Any]:
+    """``run_ranks(fn, world)`` in fresh processes that run the kernels and take them in funcoll's ops."""
+    env = {"FUNCOLL_TEST_START_METHOD": "spawn", "FUNCOLL_TRITON": "1"}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    with _environ(**env):
+        return run_ranks(fn, world, timeout=TIMEOUT_S)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------- references
+def ref_pack(blocks: Tensor, sizes: list[int], bound: int, n_out: int) -> Tensor:
+    rows = [blocks[i * bound : i * bound + n] for i, n in enumerate(sizes)]
+    data = torch.cat(rows) if rows else blocks[:0]
+    return torch.cat([data, data.new_zeros((n_out - data.shape[0], *data.shape[1:]))])
+
+
+def ref_unpack(packed: Tensor, sizes: list[int], bound: int) -> Tensor:
+    out, off = [], 0
+    for n in sizes:
+        out += [packed[off : off + n], packed.new_zeros((bound - n, *packed.shape[1:]))]
+        off += n
+    return torch.cat(out) if out else packed[:0]
+
+
+def ref_pad(x: Tensor, n_out: int) -> Tensor:
+    return torch.cat([x, x.new_zeros((n_out - x.shape[0], *x.shape[1:]))])
+
+
+# ------------------------------------------------------------------------- unit cases
+# (id, dtype, row shape, sizes, misaligned): bound is max(sizes) + 1, so every rank pads.
+UNIT = [
+    ("f32-row3-w3", F32, (3,), [2, 0, 3], False),
+    ("f64-row5x7-w4", F64, (5, 7), [1, 1, 1, 0], False),
+    ("bf16-row7-w2", BF16, (7,), [4, 2], False),
+    ("i64-scalar-rows-w5", I64, (), [0, 3, 1, 0, 2], False),
+    ("bool-row3-w3", BOOL, (3,), [1, 0, 2], False),
+    ("c64-row2x3-w2", C64, (2, 3), [2, 1], False),
+    ("u8-row5-w3-odd-bytes", U8, (5,), [3, 3, 1], False),
+    ("u8-row8-w2-misaligned", U8, (8,), [2, 3], True),  # byte-offset storage: byte words
+    ("f32-row0-w2-empty-rows", F32, (0,), [1, 2], False),
+    ("f32-row2-w1", F32, (2,), [3], False),
+    ("f32-row2-all-zero-sizes", F32, (2,), [0, 0, 0], False),
+    ("f32-row1500-w2-two-column-blocks", F32, (1500,), [2, 1], False),
+    ("f32-row2-w70", F32, (2,), [(7 * i) % 4 for i in range(70)], False),  # WORLD_P2 = 128
+]
+
+
+def unit_blocks(case: tuple, device: torch.device) -> Tensor:
+    cid, dtype, row, sizes, misaligned = case
+    bound = max(sizes) + 1
+    shape = (len(sizes) * bound, *row)
+    t = seeded(shape, F64, cid).mul(10).to(dtype) if dtype != BOOL else seeded(shape, BOOL, cid)
+    if misaligned:
+        raw = torch.zeros(t.numel() + 1, dtype=U8)
+        raw[1:] = t.reshape(-1)
+        t = raw[1:].view(shape)
+    return t.to(device)
+
+
+def _run_unit(rank: int, world: int) -> dict[str, Any]:
+    device = _device()
+    from funcoll import _kernels
+
+    out = {}
+    for case in UNIT:
+        cid, _, _, sizes, _ = case
+        bound = max(sizes) + 1
+        blocks = unit_blocks(case, device)
+        sz = torch.tensor([[n, -1] for n in sizes], device=device)[:, 0]  # a strided view, as funcoll passes
+        packed_cut = _kernels.pack_rows(blocks, sz, bound, sum(sizes))
+        packed_full = _kernels.pack_rows(blocks, sz, bound, blocks.shape[0])
+        out[cid] = {
+            "pack_cut": packed_cut.cpu(),
+            "pack_full": packed_full.cpu(),
+            "unpack": _kernels.unpack_rows(packed_full, sz, bound).cpu(),
+            "pad": _kernels.pad_rows(blocks[: sizes[0]], bound + 2).cpu(),
+            "pad_empty": _kernels.pad_rows(blocks[:0], 3).cpu(),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def unit_results() -> dict[str, Any]:
+    return run_with_kernels(_run_unit, 1)[0]
+
+
+@pytest.mark.parametrize("case", UNIT, ids=lambda c: c[0])
+def test_kernels_match_row_by_row_references(case: tuple, unit_results: dict[str, Any]) -> None:
+    cid, dtype, _, sizes, _ = case
+    bound = max(sizes) + 1
+    blocks = unit_blocks(case, torch.device("cpu"))
+    got = unit_results[cid]
+    want = {
+        "pack_cut": ref_pack(blocks, sizes, bound, sum(sizes)),
+        "pack_full": ref_pack(blocks, sizes, bound, blocks.shape[0]),
+        "unpack": ref_unpack(ref_pack(blocks, sizes, bound, blocks.shape[0]), sizes, bound),
+        "pad": ref_pad(blocks[: sizes[0]], bound + 2),
+        "pad_empty": ref_pad(blocks[:0], 3),
+    }
+    for name, ref in want.items():
+        assert got[name].dtype == dtype and got[name].shape == ref.shape, (name, got[name].shape, ref.shape)
+        assert torch.equal(got[name], ref), name
+
+
+# ------------------------------------------------------------- the ops that use them
+def _rows(rank: int, n: int, width: int = 3, dtype: torch.dtype = F64) -> Tensor:
+    return seeded((n, width), dtype, "kernel-op-rows", rank)
+
+
+def _lengths(world: int) -> list[int]:
+    return [(3 * r + 2) % 5 for r in range(world)]  # rank 1 of 3 or 4 holds 0 rows
+
+
+def _weight(rank: int, shape: torch.Size) -> Tensor:
+    return seeded(shape, F64, "kernel-op-w", rank)
+
+
+def _run_ops(rank: int, world: int) -> dict[str, Any]:
+    from funcoll import _kernels, _prims
+
+    calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0}
+
+    def spy(name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def counted(*args: Any) -> Tensor:
+            calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+    for name in calls:  # count the launches funcoll makes: the kernels themselves still run
+        setattr(_kernels, name, spy(name, getattr(_kernels, name)))
+    lengths = _lengths(world)
+    out: dict[str, Any] = {}
+
+    x = _rows(rank, lengths[rank]).requires_grad_()
+    y = funcoll.gather(x, strategy="pad")
+    (y * _weight(rank, y.shape)).sum().backward()
+    out["gather-pad"] = (y.detach(), x.grad)
+
+    _prims.AUTO_SHIFTS_MAX_WORLD = 1  # "auto" pads from 2 ranks on
+    xt = _rows(rank, lengths[rank]).t().requires_grad_()  # ragged dim 1, non-contiguous
+    yt, _ = funcoll.all_gather_ragged(xt, 1)
+    (yt * _weight(rank, yt.shape)).sum().backward()
+    out["all_gather_ragged-auto-dim1"] = (yt.detach(), xt.grad)
+
+    xb = _rows(rank, lengths[rank], dtype=BOOL)
+    out["gather-pad-bool"] = (funcoll.gather(xb, strategy="pad"), None)
+
+    bound = 5
+    xp = torch.cat([_rows(rank, lengths[rank]), torch.full((bound - lengths[rank], 3), 7.0, dtype=F64)])
+    xp.requires_grad_()
+    yp, sizes = funcoll.gather_padded(xp, torch.tensor(lengths[rank]))
+    (yp * _weight(rank, yp.shape)).sum().backward()
+    out["gather_padded"] = (yp.detach(), xp.grad, sizes)
+    out["calls"] = calls
+    return out
+
+
+def _reference(world: int) -> dict[str, Any]:
+    lengths = _lengths(world)
+    xs = [_rows(r, n).requires_grad_() for r, n in enumerate(lengths)]
+    y = torch.cat(xs)
+    grads = torch.autograd.grad(sum((y * _weight(r, y.shape)).sum() for r in range(world)), xs)
+    xts = [x.detach().t().requires_grad_() for x in xs]
+    yt = torch.cat(xts, 1)
+    grads_t = torch.autograd.grad(sum((yt * _weight(r, yt.shape)).sum() for r in range(world)), xts)
+    yb = torch.cat([_rows(r, n, dtype=BOOL) for r, n in enumerate(lengths)])
+    bound = 5
+    yp = torch.cat([y.detach(), y.new_zeros(world * bound - y.shape[0], 3)])
+    total_w = sum(_weight(j, yp.shape) for j in range(world))
+    grads_p = [torch.zeros(bound, 3, dtype=F64) for _ in lengths]
+    off = 0
+    for r, n in enumerate(lengths):  # d(sum_j loss_j)/d(xp_r): the summed weights at r's packed rows
+        grads_p[r][:n] = total_w[off : off + n]
+        off += n
+    return {
+        "gather-pad": (y.detach(), grads),
+        "all_gather_ragged-auto-dim1": (yt.detach(), grads_t),
+        "gather-pad-bool": (yb, None),
+        "gather_padded": (yp, grads_p, torch.tensor(lengths)),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ops_on_the_kernels_match_references(world: int) -> None:
+    results = run_with_kernels(_run_ops, world)
+    ref = _reference(world)
+    for rank, res in enumerate(results):
+        for name in ("gather-pad", "all_gather_ragged-auto-dim1", "gather-pad-bool"):
+            y, grad = res[name]
+            y_ref, grads_ref = ref[name]
+            assert torch.equal(y, y_ref), (rank, name)
+            if grads_ref is not None:
+                torch.testing.assert_close(
+                    grad, grads_ref[rank], rtol=1e-12, atol=1e-12, msg=f"{rank} {name}"
+                )
+        yp, gp, sizes = res["gather_padded"]
+        assert torch.equal(yp, ref["gather_padded"][0]) and torch.equal(sizes, ref["gather_padded"][2]), rank
+        torch.testing.assert_close(gp, ref["gather_padded"][1][rank], rtol=1e-12, atol=1e-12)
+        # Every gather padded (3 pads), cut (3 packs, and gather_padded's pack), and the
+        # backward of the float ones scattered back (2 unpacks, and gather_padded's).
+        assert res["calls"] == {"pad_rows": 3, "pack_rows": 4, "unpack_rows": 3}, (rank, res["calls"])
