@@ -34,15 +34,26 @@ ROWS = 16  # rows per program
 
 
 @triton.jit
+def _copy_rows(src, dst, src_row, dst_row, valid, n_dst, row_words, BLOCK: tl.constexpr):
+    """Copy words ``[pid1 * BLOCK, ...)`` of rows `src_row` to rows `dst_row`; zeros where not `valid`."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = (dst_row < n_dst)[:, None] & (cols < row_words)[None, :]
+    vals = tl.load(src + src_row[:, None] * row_words + cols[None, :], mask=valid[:, None] & keep, other=0)
+    tl.store(dst + dst_row[:, None] * row_words + cols[None, :], vals, mask=keep)
+
+
+@triton.jit
+def _rows_and_sizes(sizes, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ROWS row indices (int64), the rank indices and the sizes (0 past WORLD)."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    w = tl.arange(0, WORLD_P2)
+    return rows, w, tl.load(sizes + w, mask=w < WORLD, other=0).to(tl.int64)
+
+
+@triton.jit
 def _pad_kernel(src, dst, n_dst, row_words, n_src, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = (cols < row_words)[None, :]
-    keep = (rows < n_dst)[:, None] & cmask
-    vals = tl.load(
-        src + rows[:, None] * row_words + cols[None, :], mask=(rows < n_src)[:, None] & keep, other=0
-    )
-    tl.store(dst + rows[:, None] * row_words + cols[None, :], vals, mask=keep)
+    _copy_rows(src, dst, rows, rows, rows < n_src, n_dst, row_words, BLOCK)
 
 
 @triton.jit
@@ -50,20 +61,11 @@ def _pack_kernel(
     src, dst, n_dst, row_words, sizes, bound,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    k = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # rows of the packed layout
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    w = tl.arange(0, WORLD_P2)
-    s = tl.load(sizes + w, mask=w < WORLD, other=0).to(tl.int64)
-    ends = tl.cumsum(s, 0)
-    before = ends[None, :] <= k[:, None]  # ranks whose rows all come before row k
+    k, _, s = _rows_and_sizes(sizes, WORLD, WORLD_P2, ROWS)  # k: rows of the packed layout
+    before = tl.cumsum(s, 0)[None, :] <= k[:, None]  # ranks whose rows all come before row k
     owner = tl.sum(before.to(tl.int64), 1)
     start = tl.sum(tl.where(before, s[None, :], 0), 1)  # where the owner's rows begin
-    valid = k < tl.sum(s, 0)
-    src_row = owner * bound + (k - start)
-    cmask = (cols < row_words)[None, :]
-    keep = (k < n_dst)[:, None] & cmask
-    vals = tl.load(src + src_row[:, None] * row_words + cols[None, :], mask=valid[:, None] & keep, other=0)
-    tl.store(dst + k[:, None] * row_words + cols[None, :], vals, mask=keep)
+    _copy_rows(src, dst, owner * bound + (k - start), k, k < tl.sum(s, 0), n_dst, row_words, BLOCK)
 
 
 @triton.jit
@@ -71,22 +73,12 @@ def _unpack_kernel(
     src, dst, n_dst, row_words, sizes, bound,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    j = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # rows of the padded layout
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    w = tl.arange(0, WORLD_P2)
-    s = tl.load(sizes + w, mask=w < WORLD, other=0).to(tl.int64)
+    j, w, s = _rows_and_sizes(sizes, WORLD, WORLD_P2, ROWS)  # j: rows of the padded layout
     rank = j // bound
     r = j - rank * bound
-    mine = w[None, :] == rank[:, None]
-    n_rank = tl.sum(tl.where(mine, s[None, :], 0), 1)
+    n_rank = tl.sum(tl.where(w[None, :] == rank[:, None], s[None, :], 0), 1)
     start = tl.sum(tl.where(w[None, :] < rank[:, None], s[None, :], 0), 1)
-    valid = r < n_rank
-    cmask = (cols < row_words)[None, :]
-    keep = (j < n_dst)[:, None] & cmask
-    vals = tl.load(
-        src + (start + r)[:, None] * row_words + cols[None, :], mask=valid[:, None] & keep, other=0
-    )
-    tl.store(dst + j[:, None] * row_words + cols[None, :], vals, mask=keep)
+    _copy_rows(src, dst, start + r, j, r < n_rank, n_dst, row_words, BLOCK)
 
 
 def _words(*ts: Tensor) -> list[Tensor]:

@@ -9,7 +9,8 @@ must be set before triton is imported (triton's own library functions are jitted
 import). So every test runs its kernels in fresh child processes (``run_ranks`` with
 the spawn start method) whose environment sets it, together with
 ``FUNCOLL_TRITON=1``, which makes funcoll's eager ops take the kernels for CPU
-tensors too. On a CUDA machine the single-process cases run on the GPU.
+tensors too. On a CUDA machine the single-process cases run on the GPU, compiled;
+the multi-rank ones (gloo, CPU tensors) stay interpreted.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run_with_kernels(fn: Callable[..., Any], world: int) -> list[Any]:
-    """``run_ranks(fn, world)`` in fresh processes that run the kernels and take them in funcoll's ops."""
+def run_with_kernels(fn: Callable[..., Any], world: int, interpret: bool) -> list[Any]:
+    """``run_ranks(fn, world)`` in fresh processes where funcoll's ops take the kernels, interpreted or not."""
     env = {"FUNCOLL_TEST_START_METHOD": "spawn", "FUNCOLL_TRITON": "1"}
-    if not torch.cuda.is_available():
+    if interpret:
         env["TRITON_INTERPRET"] = "1"
     with _environ(**env):
         return run_ranks(fn, world, timeout=TIMEOUT_S)
@@ -105,11 +106,12 @@ def unit_blocks(case: tuple, device: torch.device) -> Tensor:
     bound = max(sizes) + 1
     shape = (len(sizes) * bound, *row)
     t = seeded(shape, F64, cid).mul(10).to(dtype) if dtype != BOOL else seeded(shape, BOOL, cid)
-    if misaligned:
-        raw = torch.zeros(t.numel() + 1, dtype=U8)
+    t = t.to(device)
+    if misaligned:  # one byte into its storage: only byte words fit
+        raw = torch.zeros(t.numel() + 1, dtype=U8, device=device)
         raw[1:] = t.reshape(-1)
         t = raw[1:].view(shape)
-    return t.to(device)
+    return t
 
 
 def _run_unit(rank: int, world: int) -> dict[str, Any]:
@@ -136,7 +138,7 @@ def _run_unit(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def unit_results() -> dict[str, Any]:
-    return run_with_kernels(_run_unit, 1)[0]
+    return run_with_kernels(_run_unit, 1, interpret=not torch.cuda.is_available())[0]
 
 
 @pytest.mark.parametrize("case", UNIT, ids=lambda c: c[0])
@@ -238,7 +240,7 @@ def _reference(world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ops_on_the_kernels_match_references(world: int) -> None:
-    results = run_with_kernels(_run_ops, world)
+    results = run_with_kernels(_run_ops, world, interpret=True)  # gloo: CPU tensors
     ref = _reference(world)
     for rank, res in enumerate(results):
         for name in ("gather-pad", "all_gather_ragged-auto-dim1", "gather-pad-bool"):
