@@ -12,6 +12,8 @@ lengths change; the price is that the padding travels on the wire.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,18 @@ def _length_tensor(op: str, length: object, bound: int | torch.SymInt, device: t
     if isinstance(length, int) and isinstance(bound, int) and not 0 <= length <= bound:
         raise ValueError(f"{op}: `length`={length} is outside [0, {bound}], the bound x.shape[dim]")
     return torch.full((1,), length, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
+    """The header's constant part on `device`, copied there once per distinct shape.
+
+    A fresh ``torch.tensor(..., device=cuda)`` per call would copy from the host and
+    wait for the device each time, and a copy from the host cannot be captured in a
+    CUDA graph; after the first call with a shape, this is a cached tensor, so the
+    op issues device work only. The copy itself is queued without waiting.
+    """
+    return torch.tensor(facts, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _pack(blocks: Tensor, sizes: Tensor, bound: int | torch.SymInt) -> Tensor:
@@ -125,8 +139,12 @@ def gather_padded(
     mine = _length_tensor(op, length, bound, x.device)
     g = resolve_group(op, group)
     # The row every rank must agree on (ndim, dtype, dim, full shape), after this rank's length.
-    facts = [x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim())]  # dim x.dim(): no column zeroed
-    header = torch.cat([mine, torch.tensor(facts, dtype=torch.int64, device=x.device)])
+    facts = (x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
+    if torch.compiler.is_compiling():
+        on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
+    else:
+        on_device = _facts_on(x.device, facts)
+    header = torch.cat([mine, on_device])
     table = (
         header.view(1, -1)
         if g.is_single
