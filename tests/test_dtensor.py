@@ -29,7 +29,14 @@ def _dtensor_cases(rank: int, world: int) -> dict[str, object]:
     except ValueError as e:
         out["2d_error"] = str(e)
     out["2d_tp"] = funcoll.gather(on2d, group=(mesh2, "tp"))
+    # gather_padded: equal local shards of 2 rows, of which rank r keeps r % 3 (0, 1 or 2).
+    even = distribute_tensor(_two_rows_each(world), mesh, [Shard(0)])
+    out["gather_padded"] = funcoll.gather_padded(even, rank % 3)
     return out
+
+
+def _two_rows_each(world: int) -> torch.Tensor:
+    return torch.arange(2 * world * 3, dtype=torch.float64).view(2 * world, 3)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -44,3 +51,10 @@ def test_dtensor_local_shards(world: int) -> None:
         # 2 * world * its rows (the ragged reduce_scatter sums the ranks' gradients).
         torch.testing.assert_close(out["local_grad"], 2 * world * out["local"])
         assert "funcoll.gather" in out["2d_error"] and "2-D mesh" in out["2d_error"]
+        rows = _two_rows_each(world)
+        lengths = [r % 3 for r in range(world)]
+        data = torch.cat([rows[2 * r : 2 * r + n] for r, n in enumerate(lengths)])
+        y, sizes = out["gather_padded"]
+        assert type(y) is torch.Tensor
+        torch.testing.assert_close(y, torch.cat([data, data.new_zeros(2 * world - data.shape[0], 3)]))
+        assert sizes.tolist() == lengths
