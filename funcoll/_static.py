@@ -64,7 +64,8 @@ def _pack(blocks: Tensor, sizes: Tensor, bound: int | torch.SymInt) -> Tensor:
     (``searchsorted`` over the running sum of `sizes`); rows past ``sum(sizes)``
     are zero. One index_select and one where, so autograd's backward is the
     inverse: the gradient's rows scattered back to the blocks, zeros on padding.
-    Static shapes throughout; inductor fuses it into one kernel.
+    Static shapes throughout; inductor fuses it into one kernel. In eager code on
+    CUDA one Triton kernel does it (and one more its backward): ``_prims.pack_rows``.
     """
     packed = _prims.pack_rows(blocks, sizes, bound, blocks.shape[0])  # CUDA eager: one Triton launch
     if packed is not None:
