@@ -364,6 +364,30 @@ def _ref_gather_padded(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]
     return ref
 
 
+CAPACITY = 3  # all_to_all_padded: rows per destination block; send_sizes() stay below 4
+
+
+def _inputs_a2a_padded(case: str) -> Callable[[int, int], Inputs]:
+    """x of shape (world * CAPACITY, 5) and this rank's send sizes (0 to 3) as an int64 tensor."""
+
+    def build(rank: int, world: int) -> Inputs:
+        x = _randn((case, rank), (world * CAPACITY, 5))
+        return (x, torch.tensor(send_sizes(rank, world), dtype=torch.int64))
+
+    return build
+
+
+def _ref_all_to_all_padded(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    out = []
+    for j in range(world):
+        counts = [int(all_inputs[i][1][j]) for i in range(world)]
+        data = torch.cat([all_inputs[i][0][j * CAPACITY : j * CAPACITY + n] for i, n in enumerate(counts)])
+        out.append(
+            [torch.cat([data, data.new_zeros(world * CAPACITY - data.shape[0], 5)]), torch.tensor(counts)]
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------- compat
 def _call_compat_all_gather(q: Tensor) -> list[Tensor]:
     return compat.all_gather(q, funcoll.axis_size(), q.device)
@@ -585,6 +609,12 @@ CASES: list[OpCase] = [
         _inputs_padded("gather_padded-x3x4-dim-1-noncontig", -1, noncontig=True),
         call=lambda x, n: funcoll.gather_padded(x, n, -1),
         reference=_ref_gather_padded(-1),
+    ),
+    _case(
+        "all_to_all_padded-xw3x5-dim0",
+        _inputs_a2a_padded("all_to_all_padded-xw3x5-dim0"),
+        call=lambda x, n: funcoll.all_to_all_padded(x, n),
+        reference=_ref_all_to_all_padded,
     ),
     # compat (the seed helpers' signatures)
     _case(
@@ -932,6 +962,7 @@ def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict
         "all_to_all_v-recv-given-x_nx5": even["all_to_all"],
         "gather_padded-x4x5-dim0": ({AG: 2}, {RS: 1}),  # length header, then the padded rows
         "gather_padded-x3x4-dim-1-noncontig": ({AG: 2}, {RS: 1}),
+        "all_to_all_padded-xw3x5-dim0": ({AG: 1, A2A: 1}, {A2A: 1}),  # counts header, then the blocks
         "compat.gather-ragged-x_nx5-dim0": gather,
         "compat.all_gather-ragged-1d": gather,
         "compat.all_gather_nd-ragged-x_nx2x3": gather,

@@ -58,7 +58,8 @@ EVEN_CASES = (
     "broadcast-src-last-x3x5",
     "all_to_all_v-recv-given-x_nx5",
     "split_forward_gather_backward-x2w+1x5-dim0",
-    "gather_padded-x4x5-dim0",  # ragged, but static shapes: its lengths never leave the device
+    "gather_padded-x4x5-dim0",  # ragged, but static shapes: their sizes never leave the device
+    "all_to_all_padded-xw3x5-dim0",
 )
 RAGGED_CASES = (
     "reduce_scatter-ragged-sizes-dim0",

@@ -1,14 +1,17 @@
-"""``funcoll.gather_padded`` in a compiled training step: one graph whatever the lengths, no host sync.
+"""The static-shape ragged ops in a compiled training step: one graph whatever the sizes, no host sync.
 
-On 2 and 3 gloo ranks, a step ``gather_padded -> softmax -> weighted loss (+ the
-cumsum of the sizes)`` is compiled with ``fullgraph=True`` and called for 12 steps,
-each rank drawing a fresh length every step (0 and the bound B included). Checked:
+On 2 and 3 gloo ranks, one step runs both ops of ``funcoll/_static.py``:
+``gather_padded`` of a bound-padded tensor (variable-length sequences) and
+``all_to_all_padded`` of capacity blocks (an MoE dispatch), each followed by a softmax
+and a weighted loss, plus the cumsum of the returned sizes. It is compiled with
+``fullgraph=True`` and called for 12 steps, each rank drawing fresh sizes every step
+(0 and the bound included). Checked:
 
 - the step compiles once per rank (``CompileCounterWithBackend.frame_count == 1``)
   on aot_eager with ``dynamic=None/True/False`` and on inductor;
-- every step's outputs, loss and input gradient equal a single-process reference
-  (the ranks' data rows concatenated, zero-padded to ``world * B``; the gradient by
-  torch.autograd of the summed losses);
+- every step's outputs, loss and input gradients equal a single-process reference
+  (the ranks' data rows concatenated, zero-padded; the gradients by torch.autograd
+  of the summed losses);
 - the AOT forward and backward graphs hold no host read (``_local_scalar_dense``),
   no funcoll custom op (the ragged ops' size read) and no graph break.
 """
@@ -28,9 +31,11 @@ import funcoll
 from funcoll.testing import run_ranks
 
 STEPS = 12
-BOUND = 5
+BOUND = 5  # gather_padded's rows per rank
+CAP = 3  # all_to_all_padded's rows per destination block
 WIDTH = 4
 CONFIGS = (("aot_eager", None), ("aot_eager", True), ("aot_eager", False), ("inductor", None))
+OUTPUTS = ("y", "sizes", "y2", "recv_sizes", "loss")
 
 
 def length(step: int, rank: int) -> int:
@@ -38,21 +43,35 @@ def length(step: int, rank: int) -> int:
     return (5 * step + 3 * rank) % (BOUND + 1)
 
 
-def _seeded(*key: object) -> Tensor:
+def send(step: int, rank: int, world: int) -> list[int]:
+    """Rows this rank sends to each rank at this step: 0 to CAP, fresh every step."""
+    return [(step + 2 * rank + 3 * j) % (CAP + 1) for j in range(world)]
+
+
+def _randn(rows: int, *key: object) -> Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    return torch.randn(BOUND, WIDTH, generator=g, dtype=torch.float64)
+    return torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
 
 
-def _weight(world: int, rank: int) -> Tensor:
-    g = torch.Generator().manual_seed(1000 + rank)
-    return torch.randn(world * BOUND, WIDTH, generator=g, dtype=torch.float64)
+def _inputs(step: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (
+        _randn(BOUND, "x", step, rank),
+        torch.tensor(length(step, rank)),
+        _randn(world * CAP, "x2", step, rank),
+        torch.tensor(send(step, rank, world)),
+    )
 
 
-def step_fn(x: Tensor, n: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _weights(world: int, rank: int) -> tuple[Tensor, Tensor]:
+    return _randn(world * BOUND, "w", rank), _randn(world * CAP, "w2", rank)
+
+
+def step_fn(x: Tensor, n: Tensor, x2: Tensor, counts: Tensor, w: Tensor, w2: Tensor) -> tuple[Tensor, ...]:
     y, sizes = funcoll.gather_padded(x, n)
-    ends = torch.cumsum(sizes, 0)
-    loss = (torch.softmax(y, -1) * w).sum() + ends.sum()
-    return y, sizes, loss
+    y2, recv_sizes = funcoll.all_to_all_padded(x2, counts)
+    ends = torch.cumsum(sizes, 0) + torch.cumsum(recv_sizes, 0).sum()
+    loss = (torch.softmax(y, -1) * w).sum() + (torch.softmax(y2, -1) * w2).sum() + ends.sum()
+    return y, sizes, y2, recv_sizes, loss
 
 
 def _host_reads(gm: torch.fx.GraphModule) -> list[str]:
@@ -65,7 +84,7 @@ def _host_reads(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
-    w = _weight(world, rank)
+    w, w2 = _weights(world, rank)
     out: dict[str, Any] = {}
     for backend, dynamic in CONFIGS:
         torch._dynamo.reset()
@@ -73,10 +92,12 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         fn = torch.compile(step_fn, fullgraph=True, dynamic=dynamic, backend=counter)
         steps = []
         for s in range(STEPS):
-            x = _seeded(s, rank).requires_grad_()
-            y, sizes, loss = fn(x, torch.tensor(length(s, rank)), w)
-            loss.backward()
-            steps.append((y.detach(), sizes, loss.detach(), x.grad))
+            x, n, x2, counts = _inputs(s, rank, world)
+            x.requires_grad_()
+            x2.requires_grad_()
+            got = fn(x, n, x2, counts, w, w2)
+            got[-1].backward()
+            steps.append([t.detach() for t in got] + [x.grad, x2.grad])
         out[f"{backend}-{dynamic}"] = {"graphs": counter.frame_count, "steps": steps}
     # The AOT graphs of the step, read for host reads; and dynamo's own count of breaks.
     torch._dynamo.reset()
@@ -86,25 +107,38 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         graphs.append(gm)
         return gm
 
-    x = _seeded(0, rank).requires_grad_()
+    x, n, x2, counts = _inputs(0, rank, world)
+    x.requires_grad_()
     fn = torch.compile(step_fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
-    fn(x, torch.tensor(length(0, rank)), w)[2].backward()
+    fn(x, n, x2, counts, w, w2)[-1].backward()
     out["host_reads"] = [_host_reads(gm) for gm in graphs]
     torch._dynamo.reset()
-    out["breaks"] = torch._dynamo.explain(step_fn)(x, torch.tensor(1), w).graph_break_count
+    out["breaks"] = torch._dynamo.explain(step_fn)(x, n, x2, counts, w, w2).graph_break_count
     return out
 
 
-def _reference(world: int, s: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-    xs = [_seeded(s, r).requires_grad_() for r in range(world)]
+def _reference(world: int, s: int) -> list[list[Tensor]]:
+    """Every rank's outputs and input gradients at step `s`, from all ranks' inputs in one process."""
+    inputs = [_inputs(s, r, world) for r in range(world)]
+    xs = [inp[0].requires_grad_() for inp in inputs]
+    x2s = [inp[2].requires_grad_() for inp in inputs]
     lengths = [length(s, r) for r in range(world)]
     data = torch.cat([x[:n] for x, n in zip(xs, lengths, strict=True)])
     y = torch.cat([data, data.new_zeros(world * BOUND - data.shape[0], WIDTH)])
     sizes = torch.tensor(lengths)
-    ends_sum = torch.cumsum(sizes, 0).sum()
-    losses = [(torch.softmax(y, -1) * _weight(world, r)).sum() + ends_sum for r in range(world)]
-    grads = torch.autograd.grad(sum(losses), xs)
-    return [(y.detach(), sizes, losses[r].detach(), grads[r]) for r in range(world)]
+    sends = [send(s, r, world) for r in range(world)]
+    outs, losses = [], []
+    for j in range(world):
+        got = torch.cat([x2s[i][j * CAP : j * CAP + sends[i][j]] for i in range(world)])
+        y2 = torch.cat([got, got.new_zeros(world * CAP - got.shape[0], WIDTH)])
+        recv_sizes = torch.tensor([sends[i][j] for i in range(world)])
+        w, w2 = _weights(world, j)
+        ends = torch.cumsum(sizes, 0) + torch.cumsum(recv_sizes, 0).sum()
+        loss = (torch.softmax(y, -1) * w).sum() + (torch.softmax(y2, -1) * w2).sum() + ends.sum()
+        outs.append([y, sizes, y2, recv_sizes, loss])
+        losses.append(loss)
+    grads = torch.autograd.grad(sum(losses), xs + x2s)
+    return [[t.detach() for t in outs[r]] + [grads[r], grads[world + r]] for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -118,7 +152,8 @@ def test_compiled_step_compiles_once_and_matches_reference(world: int) -> None:
             got = res[f"{backend}-{dynamic}"]
             assert got["graphs"] == 1, f"rank {rank} {backend} dynamic={dynamic}: {got['graphs']} graphs"
             for s, (step, ref) in enumerate(zip(got["steps"], refs, strict=True)):
-                for name, a, b in zip(("y", "sizes", "loss", "grad"), step, ref[rank], strict=True):
+                names = (*OUTPUTS, "x.grad", "x2.grad")
+                for name, a, b in zip(names, step, ref[rank], strict=True):
                     torch.testing.assert_close(
                         a,
                         b,

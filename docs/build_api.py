@@ -19,7 +19,7 @@ SECTIONS = [
                                    "all_to_all", "ppermute", "broadcast", "axis_index", "axis_size"]),
     ("Ragged collectives", funcoll, ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v",
                                      "mark_ragged"]),
-    ("Static-shape ragged collectives", funcoll, ["gather_padded"]),
+    ("Static-shape ragged collectives", funcoll, ["gather_padded", "all_to_all_padded"]),
     ("Region ops", funcoll, ["split_forward_gather_backward", "gather_forward_split_backward"]),
     ("funcoll.compat", funcoll.compat, funcoll.compat.__all__),
     ("funcoll.testing", funcoll.testing, ["run_ranks"]),

@@ -17,7 +17,7 @@ from ._even import (
 from ._group import Group, GroupLike, axis_index, axis_size
 from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, mark_ragged
 from ._region import gather_forward_split_backward, split_forward_gather_backward
-from ._static import gather_padded
+from ._static import all_to_all_padded, gather_padded
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "all_gather_ragged",
     "all_reduce",
     "all_to_all",
+    "all_to_all_padded",
     "all_to_all_v",
     "axis_index",
     "axis_size",

@@ -13,36 +13,62 @@ lengths change; the price is that the padding travels on the wire.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _prims
 from ._checks import check_dim, local_input, unwire, wire
-from ._group import GroupLike, resolve_group
+from ._group import Group, GroupLike, resolve_group
 from ._header import _dtype_code, _shape_columns
 
-__all__ = ["gather_padded"]
+__all__ = ["all_to_all_padded", "gather_padded"]
+
+# What bounds each op's row counts, in its check's message.
+_LIMIT = {
+    "funcoll.gather_padded": "x.shape[dim]",
+    "funcoll.all_to_all_padded": "x.shape[dim] // world",
+}
 
 
-def _length_tensor(op: str, length: object, bound: int | torch.SymInt, device: torch.device) -> Tensor:
-    """`length` as a 1-element int64 tensor on `device`; a Python int is range-checked here."""
-    if isinstance(length, Tensor):
-        if length.dtype.is_floating_point or length.dtype.is_complex or length.dtype == torch.bool:
-            raise TypeError(
-                f"{op}: `length` must be an integer tensor or an int, got a {length.dtype} tensor"
-            )
-        if length.numel() != 1:
+def _counts_tensor(
+    op: str, name: str, value: object, count: int, bound: int | torch.SymInt, bound_is: str,
+    device: torch.device, per_rank: bool,
+) -> Tensor:  # fmt: skip
+    """`value` (`count` row counts, each in ``[0, bound]``) as an int64 tensor of shape (count,) on `device`.
+
+    `value` is an integer tensor of `count` elements, or ints: a sequence of `count`
+    of them when `per_rank`, else one. A tensor's range is checked on the device,
+    after the header exchange; ints are range-checked here, before any communication.
+    """
+    if isinstance(value, Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{op}: `{name}` must be an integer tensor or an int, got a {value.dtype} tensor")
+        if value.numel() != count:
             raise ValueError(
-                f"{op}: `length` must hold one value, got a tensor of shape {tuple(length.shape)}"
+                f"{op}: `{name}` must hold {count} value(s), got a tensor of shape {tuple(value.shape)}"
             )
-        # From another device (a CPU scalar for a CUDA x) the copy is queued, not waited for.
-        return length.reshape(1).to(device=device, dtype=torch.int64, non_blocking=True)
-    if isinstance(length, bool) or not isinstance(length, (int, torch.SymInt)):
-        raise TypeError(f"{op}: `length` must be an integer tensor or an int, got {type(length).__name__}")
-    if isinstance(length, int) and isinstance(bound, int) and not 0 <= length <= bound:
-        raise ValueError(f"{op}: `length`={length} is outside [0, {bound}], the bound x.shape[dim]")
-    return torch.full((1,), length, dtype=torch.int64, device=device)
+        # From another device (a CPU tensor for a CUDA x) the copy is queued, not waited for.
+        return value.reshape(count).to(device=device, dtype=torch.int64, non_blocking=True)
+    if per_rank and not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{op}: `{name}` must be an integer tensor or a list of ints, got {type(value).__name__}"
+        )
+    ints = list(value) if per_rank else [value]  # type: ignore[call-overload]
+    if len(ints) != count:
+        raise ValueError(f"{op}: `{name}` must hold {count} values (one per rank), got {len(ints)}")
+    for i, n in enumerate(ints):
+        where = f"`{name}`[{i}]" if per_rank else f"`{name}`"
+        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+            raise TypeError(f"{op}: {where} must be an integer tensor or an int, got {type(n).__name__}")
+        if isinstance(n, int) and isinstance(bound, int) and not 0 <= n <= bound:
+            raise ValueError(f"{op}: {where}={n} is outside [0, {bound}], {bound_is}")
+    if not per_rank:
+        return torch.full((1,), ints[0], dtype=torch.int64, device=device)  # a fill: no copy from the host
+    if torch.compiler.is_compiling():
+        return torch.tensor(ints, dtype=torch.int64, device=device)
+    return torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)  # queued, not waited for
 
 
 @functools.lru_cache(maxsize=256)
@@ -55,6 +81,36 @@ def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
     op issues device work only. The copy itself is queued without waiting.
     """
     return torch.tensor(facts, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _exchange(op: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.SymInt, g: Group) -> Tensor:
+    """All-gather every rank's `counts` with what the ranks must agree on, and check it on the device.
+
+    Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
+    ``len(counts)`` columns every rank's counts. The rest of a row is ndim, dtype,
+    dim and the full shape of the rank's ``x``. Every rank checks the same table:
+    the rows agree and every count lies in ``[0, bound]``, or ``torch._assert_async``
+    fails on every rank, before any data moves. Nothing is read on the host.
+    """
+    facts = (x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
+    if torch.compiler.is_compiling():
+        on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
+    else:
+        on_device = _facts_on(x.device, facts)
+    header = torch.cat([counts, on_device])
+    if g.is_single:
+        table = header.view(1, -1)
+    else:
+        table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
+    n = counts.numel()
+    lengths = table[:, :n]
+    agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
+    torch._assert_async(
+        agree,
+        f"{op}: every rank's row counts must lie in [0, {_LIMIT[op]}], and every rank's x must have the "
+        f"same shape and dtype (this rank: {x.dtype}, {x.dim()}-d, dim={d})",
+    )
+    return table
 
 
 def _pack(blocks: Tensor, sizes: Tensor, bound: int | torch.SymInt) -> Tensor:
@@ -137,28 +193,93 @@ def gather_padded(
     x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     bound = x.shape[d]
-    mine = _length_tensor(op, length, bound, x.device)
+    mine = _counts_tensor(op, "length", length, 1, bound, "the bound x.shape[dim]", x.device, per_rank=False)
     g = resolve_group(op, group)
-    # The row every rank must agree on (ndim, dtype, dim, full shape), after this rank's length.
-    facts = (x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
-    if torch.compiler.is_compiling():
-        on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
-    else:
-        on_device = _facts_on(x.device, facts)
-    header = torch.cat([mine, on_device])
-    table = (
-        header.view(1, -1)
-        if g.is_single
-        else _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
-    )
-    sizes = table[:, 0]
-    agree = (table[:, 1:] == table[:1, 1:]).all() & (sizes >= 0).all() & (sizes <= bound).all()
-    torch._assert_async(
-        agree,
-        f"{op}: every rank's `length` must lie in [0, x.shape[dim]], and every rank's x must have the "
-        f"same shape and dtype (this rank: {x.dtype}, {x.dim()}-d, dim={d})",
-    )
+    sizes = _exchange(op, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
     blocks = xm if g.is_single else _prims.all_gather0(xm, g.name, g.size)
     y = unwire(_pack(blocks, sizes, bound), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
+
+
+def all_to_all_padded(
+    x: Tensor, send_sizes: Tensor | Sequence[int], dim: int = 0, *, group: GroupLike = None
+) -> tuple[Tensor, Tensor]:
+    """Uneven all-to-all with static shapes: one block of capacity ``C`` per rank, the sizes on the device.
+
+    Ragged data model: along `dim`, ``x`` holds ``world`` blocks of ``C = x.shape[dim]
+    // world`` rows, the same ``C`` on every rank (MoE code calls it the capacity).
+    Block j goes to rank j, and its first ``send_sizes[j]`` rows (any ``0 <= n <= C``)
+    are data; the rest are padding, whose values are ignored. Rank r receives
+    rank i's ``send_sizes[r]`` data rows for every i, in rank order, as from
+    :func:`funcoll.all_to_all_v`. All other dims, ``C``, the dtype and the ndim
+    agree on every rank.
+
+    Unlike :func:`funcoll.all_to_all_v`, nothing is read on the host: the result's
+    shape is ``x``'s, so the op runs inside CUDA graphs and static compiled graphs,
+    and never recompiles when the sizes change. The padding travels on the wire
+    (one all_to_all of ``x`` and one all_gather of a small int64 header per rank,
+    ``world`` + 11 ints); pass `send_sizes` as a tensor on ``x``'s device.
+
+    Args:
+        x: this rank's tensor, of shape ``(..., world * C, ...)`` with the blocks at `dim`.
+        send_sizes: how many data rows each block holds: an integer tensor of
+            ``world`` elements (on ``x``'s device, or a CPU tensor, copied without a
+            wait), or ``world`` ints.
+        dim: the dim of the blocks (negative counts from the end).
+        group: the communicator.
+
+    Returns:
+        ``(y, recv_sizes)``. ``y`` has ``x``'s shape: the rows received from every
+        rank, in rank order, in its first ``sum(recv_sizes)`` rows along `dim`, zeros
+        after them. ``recv_sizes`` is an int64 tensor of shape ``(world,)`` on
+        ``x``'s device: how many rows came from each rank.
+
+    Raises:
+        ValueError, TypeError: bad arguments, before any communication: a
+        ``x.shape[dim]`` that ``world`` does not divide, a `send_sizes` of the wrong
+        length or type, an int outside ``[0, C]``. A tensor entry outside it, or
+        ranks whose ``C``, shape or dtype differ, fail a device-side assert
+        (``torch._assert_async``) on every rank after the header exchange and
+        before the data moves (asynchronously on CUDA).
+
+    Backward: the adjoint. Each rank puts its gradient's rows back in one block of
+    ``C`` rows per source rank (zeros on padding) and an all_to_all returns every
+    block to its sender; the gradient of the padding rows of ``x`` is zero.
+
+    Example (2 ranks, C = 2)::
+
+        # rank 0: x = [[1], [2], [3], [0]], send_sizes = [2, 1]
+        # rank 1: x = [[4], [9], [5], [6]], send_sizes = [1, 2]
+        y, recv_sizes = all_to_all_padded(x, send_sizes)
+        # rank 0: y = [[1], [2], [4], [0]], recv_sizes = [2, 1]
+        # rank 1: y = [[3], [5], [6], [0]], recv_sizes = [1, 2]
+    """
+    op = "funcoll.all_to_all_padded"
+    x, group = local_input(op, x, group)
+    d = check_dim(op, x, dim)
+    g = resolve_group(op, group)
+    rows = x.shape[d]
+    if isinstance(rows, int) and rows % g.size:
+        raise ValueError(
+            f"{op}: `x` has {rows} rows along dim {d}, which {g.size} ranks do not divide into blocks "
+            f"of one capacity"
+        )
+    torch._check(rows % g.size == 0)
+    cap = rows // g.size
+    send = _counts_tensor(
+        op,
+        "send_sizes",
+        send_sizes,
+        g.size,
+        cap,
+        "the capacity x.shape[dim] // world",
+        x.device,
+        per_rank=True,
+    )
+    table = _exchange(op, x, d, send, cap, g)
+    recv_sizes = table[:, g.rank]  # rank i's count for this rank
+    xm = wire(x).movedim(d, 0)
+    blocks = xm if g.is_single else _prims.all_to_all_rows(xm, [cap] * g.size, [cap] * g.size, g.name)
+    y = unwire(_pack(blocks, recv_sizes, cap), x.dtype)
+    return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()

@@ -76,6 +76,16 @@ def _tour(rank: int, world: int) -> list[tuple[str, bool, str]]:
     check("gather_padded", yp, want_padded, f"bound {bound} -> {tuple(yp.shape)}, sizes stay on the device")
     lines[-1] = (lines[-1][0], lines[-1][1] and lens.tolist() == sizes, lines[-1][2])  # host sync: demo check
 
+    # MoE dispatch with a capacity: the same exchange as all_to_all_v, shapes static.
+    cap = 2
+    blocks = torch.zeros(world * cap)
+    for j, n in enumerate(send):
+        blocks[j * cap : j * cap + n] = 10.0 * rank + j
+    got_p, recv_p = funcoll.all_to_all_padded(blocks, torch.tensor(send))
+    check("all_to_all_padded", got_p, torch.cat([want, want.new_zeros(world * cap - want.numel())]),
+          f"capacity {cap} -> {tuple(got_p.shape)}, recv sizes stay on the device")  # fmt: skip
+    lines[-1] = (lines[-1][0], lines[-1][1] and torch.equal(recv_p, recv), lines[-1][2])
+
     # The same ragged step compiled: one graph, no recompiles as sizes change.
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -168,6 +168,17 @@ def _lengths(world: int) -> list[int]:
     return [(3 * r + 2) % 5 for r in range(world)]  # rank 1 of 3 or 4 holds 0 rows
 
 
+def _sends(rank: int, world: int) -> list[int]:
+    return [(rank + 2 * j + 1) % 5 for j in range(world)]  # 0 to 4: the capacity below
+
+
+def _block(rank: int, j: int, n: int, cap: int) -> Tensor:
+    """Rank `rank`'s block for rank j: n data rows, then padding that must never arrive."""
+    return torch.cat(
+        [seeded((n, 3), F64, "kernel-op-a2a", rank, j), torch.full((cap - n, 3), 7.0, dtype=F64)]
+    )
+
+
 def _weight(rank: int, shape: torch.Size) -> Tensor:
     return seeded(shape, F64, "kernel-op-w", rank)
 
@@ -209,6 +220,12 @@ def _run_ops(rank: int, world: int) -> dict[str, Any]:
     yp, sizes = funcoll.gather_padded(xp, torch.tensor(lengths[rank]))
     (yp * _weight(rank, yp.shape)).sum().backward()
     out["gather_padded"] = (yp.detach(), xp.grad, sizes)
+
+    cap = 4
+    x2 = torch.cat([_block(rank, j, n, cap) for j, n in enumerate(_sends(rank, world))]).requires_grad_()
+    y2, recv = funcoll.all_to_all_padded(x2, torch.tensor(_sends(rank, world)))
+    (y2 * _weight(rank, y2.shape)).sum().backward()
+    out["all_to_all_padded"] = (y2.detach(), x2.grad, recv)
     out["calls"] = calls
     return out
 
@@ -230,7 +247,20 @@ def _reference(world: int) -> dict[str, Any]:
     for r, n in enumerate(lengths):  # d(sum_j loss_j)/d(xp_r): the summed weights at r's packed rows
         grads_p[r][:n] = total_w[off : off + n]
         off += n
+    cap = 4
+    blocks = [
+        torch.cat([_block(r, j, n, cap) for j, n in enumerate(_sends(r, world))]).requires_grad_()
+        for r in range(world)
+    ]
+    ys2, recvs = [], []
+    for j in range(world):  # rank j gets every rank's data rows for j, in rank order
+        counts = [_sends(i, world)[j] for i in range(world)]
+        got = torch.cat([blocks[i][j * cap : j * cap + n] for i, n in enumerate(counts)])
+        ys2.append(torch.cat([got, got.new_zeros(world * cap - got.shape[0], 3)]))
+        recvs.append(torch.tensor(counts))
+    grads2 = torch.autograd.grad(sum((y2 * _weight(r, y2.shape)).sum() for r, y2 in enumerate(ys2)), blocks)
     return {
+        "all_to_all_padded": ([y2.detach() for y2 in ys2], grads2, recvs),
         "gather-pad": (y.detach(), grads),
         "all_gather_ragged-auto-dim1": (yt.detach(), grads_t),
         "gather-pad-bool": (yb, None),
@@ -254,6 +284,11 @@ def test_ops_on_the_kernels_match_references(world: int) -> None:
         yp, gp, sizes = res["gather_padded"]
         assert torch.equal(yp, ref["gather_padded"][0]) and torch.equal(sizes, ref["gather_padded"][2]), rank
         torch.testing.assert_close(gp, ref["gather_padded"][1][rank], rtol=1e-12, atol=1e-12)
-        # Every gather padded (3 pads), cut (3 packs, and gather_padded's pack), and the
-        # backward of the float ones scattered back (2 unpacks, and gather_padded's).
-        assert res["calls"] == {"pad_rows": 3, "pack_rows": 4, "unpack_rows": 3}, (rank, res["calls"])
+        y2, g2, recv = res["all_to_all_padded"]
+        ys2, grads2, recvs = ref["all_to_all_padded"]
+        assert torch.equal(y2, ys2[rank]) and torch.equal(recv, recvs[rank]), rank
+        torch.testing.assert_close(g2, grads2[rank], rtol=1e-12, atol=1e-12)
+        # Every gather padded (3 pads), cut (3 packs, and one each in the two static
+        # ops), and the backward of the float ones scattered back (2 unpacks, and one
+        # each in the static ops).
+        assert res["calls"] == {"pad_rows": 3, "pack_rows": 5, "unpack_rows": 4}, (rank, res["calls"])
