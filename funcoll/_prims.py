@@ -14,7 +14,12 @@ primitive            backward (its adjoint)
 ``broadcast``        sum of the gradients onto ``src``, zeros elsewhere
 ``all_gather_v``     ``reduce_scatter_v`` of the gradient
 ``reduce_scatter_v`` ``all_gather_v`` of the gradient
+``pad_rows``         the gradient's first rows
+``pack_rows``        the gradient scattered back to the padded layout
 ===================  ==================================================
+
+``pad_rows`` and ``pack_rows`` move rows without communicating: one Triton
+kernel launch each in eager code on CUDA (``_kernels.py``), torch ops otherwise.
 
 All of them work on dim 0 of contiguous tensors; the public ops move the user's
 dim to the front and back. The forward of each runs with grad disabled, so only
@@ -357,7 +362,6 @@ def _padded_blocks(
 ) -> tuple[Tensor, IntLike]:
     """All-gather `x` padded to ``max(sizes)`` rows: (the ``size * max`` rows, max)."""
     longest = _sym_max(sizes) if stats is None else stats[1]
-    torch._check(longest - x.shape[0] >= 0)
     return all_gather0(pad_rows(x, longest), name, size), longest
 
 
