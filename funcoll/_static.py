@@ -25,7 +25,7 @@ from ._header import _dtype_code, _shape_columns
 
 __all__ = ["all_to_all_padded", "gather_padded"]
 
-# What bounds each op's row counts, in its check's message.
+# What bounds each op's row counts, for its error messages.
 _LIMIT = {
     "funcoll.gather_padded": "x.shape[dim]",
     "funcoll.all_to_all_padded": "x.shape[dim] // world",
@@ -33,8 +33,8 @@ _LIMIT = {
 
 
 def _counts_tensor(
-    op: str, name: str, value: object, count: int, bound: int | torch.SymInt, bound_is: str,
-    device: torch.device, per_rank: bool,
+    op: str, name: str, value: object, count: int, bound: int | torch.SymInt, device: torch.device,
+    per_rank: bool,
 ) -> Tensor:  # fmt: skip
     """`value` (`count` row counts, each in ``[0, bound]``) as an int64 tensor of shape (count,) on `device`.
 
@@ -63,7 +63,7 @@ def _counts_tensor(
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
             raise TypeError(f"{op}: {where} must be an integer tensor or an int, got {type(n).__name__}")
         if isinstance(n, int) and isinstance(bound, int) and not 0 <= n <= bound:
-            raise ValueError(f"{op}: {where}={n} is outside [0, {bound}], {bound_is}")
+            raise ValueError(f"{op}: {where}={n} is outside [0, {bound}] = [0, {_LIMIT[op]}]")
     if not per_rank:
         return torch.full((1,), ints[0], dtype=torch.int64, device=device)  # a fill: no copy from the host
     if torch.compiler.is_compiling():
@@ -193,7 +193,7 @@ def gather_padded(
     x, group = local_input(op, x, group)
     d = check_dim(op, x, dim)
     bound = x.shape[d]
-    mine = _counts_tensor(op, "length", length, 1, bound, "the bound x.shape[dim]", x.device, per_rank=False)
+    mine = _counts_tensor(op, "length", length, 1, bound, x.device, per_rank=False)
     g = resolve_group(op, group)
     sizes = _exchange(op, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
@@ -267,16 +267,7 @@ def all_to_all_padded(
         )
     torch._check(rows % g.size == 0)
     cap = rows // g.size
-    send = _counts_tensor(
-        op,
-        "send_sizes",
-        send_sizes,
-        g.size,
-        cap,
-        "the capacity x.shape[dim] // world",
-        x.device,
-        per_rank=True,
-    )
+    send = _counts_tensor(op, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
     table = _exchange(op, x, d, send, cap, g)
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
     xm = wire(x).movedim(d, 0)

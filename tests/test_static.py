@@ -196,7 +196,7 @@ X = torch.zeros(4, 3)
         pytest.param(torch.tensor(2.0), TypeError, "torch.float32 tensor", id="float-tensor"),
         pytest.param(torch.tensor(True), TypeError, "torch.bool tensor", id="bool-tensor"),
         pytest.param(torch.tensor([1, 2]), ValueError, "shape (2,)", id="two-values"),
-        pytest.param(5, ValueError, "`length`=5 is outside [0, 4]", id="int-above-bound"),
+        pytest.param(5, ValueError, "`length`=5 is outside [0, 4] = [0, x.shape[dim]]", id="int-above-bound"),
         pytest.param(-1, ValueError, "`length`=-1 is outside [0, 4]", id="int-negative"),
     ],
 )
@@ -261,7 +261,13 @@ def test_all_to_all_padded_example_from_the_docstring() -> None:
 A2A_BAD = [
     ("rows-not-divisible", 5, [1, 1], ValueError, "`x` has 5 rows along dim 0, which 2 ranks do not divide"),
     ("one-size-for-two-ranks", 4, [1], ValueError, "`send_sizes` must hold 2 values (one per rank), got 1"),
-    ("int-above-capacity", 4, [1, 3], ValueError, "`send_sizes`[1]=3 is outside [0, 2], the capacity"),
+    (
+        "int-above-capacity",
+        4,
+        [1, 3],
+        ValueError,
+        "`send_sizes`[1]=3 is outside [0, 2] = [0, x.shape[dim] // world]",
+    ),
     ("negative-int", 4, [-1, 0], ValueError, "`send_sizes`[0]=-1 is outside [0, 2]"),
     ("float-entry", 4, [1.0, 0], TypeError, "`send_sizes`[0] must be an integer tensor or an int, got float"),
     ("an-int", 4, 2, TypeError, "`send_sizes` must be an integer tensor or a list of ints, got int"),
