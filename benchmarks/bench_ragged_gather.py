@@ -10,6 +10,9 @@ times side by side (median of `iters` barrier-fenced runs after a warm-up):
   functional op). Every other row is a ratio to this one.
 - ``funcoll.all_gather`` of the even shard: funcoll's even op, no size exchange.
 - ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``a2a``.
+- ``funcoll.gather_padded``: the static-shape gather, each rank's input already padded
+  to the bound ``max(sizes)`` (as static-shape code holds it), its length a tensor; its
+  result has ``world * max(sizes)`` rows, zeros after the data.
 - ``pad+list (seed 000)``: the widely copied recipe of the ragged ``gather`` helper:
   all_gather the sizes, ``.item()`` each, pad to the max, ``dist.all_gather`` into a
   list, cut the padding and ``torch.cat``.
@@ -92,8 +95,11 @@ def _layouts(world: int, total_rows: int) -> dict[str, list[int]]:
     return {"equal": [total_rows // world] * world, "skew16": [16 * unit] + [unit] * (world - 1)}
 
 
-def _methods(x: torch.Tensor, even: torch.Tensor, world: int, name: str) -> dict[str, Callable[[], object]]:
+def _methods(
+    x: torch.Tensor, even: torch.Tensor, world: int, name: str, padded: torch.Tensor
+) -> dict[str, Callable[[], object]]:
     ops = torch.ops._c10d_functional
+    length = torch.tensor(x.shape[0])
     prealloc = torch.empty(world * even.shape[0], ROW)
     return {
         "baseline": lambda: ops.wait_tensor(ops.all_gather_into_tensor(even, world, name)),
@@ -101,6 +107,7 @@ def _methods(x: torch.Tensor, even: torch.Tensor, world: int, name: str) -> dict
         "funcoll.gather auto": lambda: funcoll.gather(x),
         "funcoll.gather pad": lambda: funcoll.gather(x, strategy="pad"),
         "funcoll.gather a2a": lambda: funcoll.gather(x, strategy="a2a"),
+        "funcoll.gather_padded (static shapes, bound max)": lambda: funcoll.gather_padded(padded, length),
         "pad+list (seed 000)": lambda: _pad_list_gather_seed000(x, world),
         "pad+list (seed 001)": lambda: _pad_list_gather_seed001(x, world),
         "all_gather_object": lambda: _gather_object(x, world),
@@ -115,7 +122,9 @@ def _bench(rank: int, world: int, mb: int, iters: int) -> dict[str, dict[str, fl
     for layout, sizes in _layouts(world, total_rows).items():
         x = torch.randn(sizes[rank], ROW)
         even = torch.randn(sum(sizes) // world, ROW)
-        methods = _methods(x, even, world, name)
+        # gather_padded's input as static-shape code holds it: padded to the bound already.
+        padded = torch.cat([x, x.new_zeros(max(sizes) - sizes[rank], ROW)])
+        methods = _methods(x, even, world, name, padded)
         # Interleave the methods over the rounds so drift hits all of them alike.
         rounds: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(3):
