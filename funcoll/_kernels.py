@@ -92,7 +92,7 @@ def _words(*ts: Tensor) -> list[Tensor]:
             flat.view(torch.uint8) if flat.shape[1] else flat.new_empty((t.shape[0], 0), dtype=torch.uint8)
         )
     if any(r.numel() == 0 for r in raws):
-        return raws  # nothing to copy: no launch
+        return raws  # an empty side has no alignment to read: bytes (no launch if dst is the empty one)
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
         if all(r.shape[1] % size == 0 and r.data_ptr() % size == 0 for r in raws):
