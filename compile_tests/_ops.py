@@ -4,9 +4,11 @@ An :class:`OpCase` holds three things:
 
 - ``inputs(rank, world)``: that rank's inputs, deterministic (seeded by the case id
   and the rank), so any process can rebuild every rank's inputs;
-- ``call(*inputs)``: the funcoll call that ``torch.compile`` traces. It reads its rank
-  and world from ``funcoll.axis_index()`` / ``funcoll.axis_size()`` (so those are
-  traced too) and works at any world size, the fake process group's 1024 included;
+- ``call(*inputs, group=None)``: the funcoll call that ``torch.compile`` traces, on
+  `group` (any form funcoll takes; ``takes_group=False`` for the seed helpers,
+  which have no such argument and use the default group). It reads its rank and
+  world from ``funcoll.axis_index(group)`` / ``funcoll.axis_size(group)`` (so those
+  are traced too) and works at any world size, the fake process group's 1024 included;
 - ``reference(all_inputs, world)``: every rank's expected outputs, computed in one
   process from all ranks' inputs with torch.cat / sum / tensor_split, never with
   funcoll. It is differentiable, so :func:`reference_grads` gets the expected
@@ -78,6 +80,7 @@ __all__ = [
     "has_error",
     "loss_weights",
     "ragged_sizes",
+    "recording_backend",
     "recv_sizes",
     "reference_grads",
     "reference_outputs",
@@ -116,8 +119,8 @@ def recv_sizes(rank: int, world: int) -> list[int]:
     return [(i + 2 * rank + 1) % 4 for i in range(world)]
 
 
-def _rank_and_world() -> tuple[int, int]:
-    return funcoll.axis_index(), funcoll.axis_size()
+def _rank_and_world(group: Any = None) -> tuple[int, int]:
+    return funcoll.axis_index(group), funcoll.axis_size(group)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -169,6 +172,7 @@ class OpCase:
     exchanges_sizes: bool = False  # the op all_gathers a size header before the data
     writes_input: int | None = None  # index of an input the op writes in place
     min_world: int = 1
+    takes_group: bool = True  # call(*inputs, group=...) works; False for the seed helpers without one
 
     def grad_factor(self, world: int) -> float:
         return {"up": float(world), "down": 1.0 / world, None: 1.0}[self.grad_scale]
@@ -225,12 +229,12 @@ def _ring(world: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % world) for i in range(world)]
 
 
-def _call_ppermute_ring(x: Tensor) -> Tensor:
-    return funcoll.ppermute(x, _ring(funcoll.axis_size()))
+def _call_ppermute_ring(x: Tensor, group: Any = None) -> Tensor:
+    return funcoll.ppermute(x, _ring(funcoll.axis_size(group)), group=group)
 
 
-def _call_ppermute_partial(x: Tensor) -> Tensor:
-    return funcoll.ppermute(x, [(0, funcoll.axis_size() - 1)])
+def _call_ppermute_partial(x: Tensor, group: Any = None) -> Tensor:
+    return funcoll.ppermute(x, [(0, funcoll.axis_size(group) - 1)], group=group)
 
 
 def _ref_ppermute(
@@ -244,12 +248,12 @@ def _ref_ppermute(
     return ref
 
 
-def _call_broadcast_last(x: Tensor) -> Tensor:
-    return funcoll.broadcast(x, src=funcoll.axis_size() - 1)
+def _call_broadcast_last(x: Tensor, group: Any = None) -> Tensor:
+    return funcoll.broadcast(x, src=funcoll.axis_size(group) - 1, group=group)
 
 
-def _call_reduce_scatter_ragged(x: Tensor) -> Tensor:
-    return funcoll.reduce_scatter(x, 0, sizes=ragged_sizes(funcoll.axis_size()))
+def _call_reduce_scatter_ragged(x: Tensor, group: Any = None) -> Tensor:
+    return funcoll.reduce_scatter(x, 0, sizes=ragged_sizes(funcoll.axis_size(group)), group=group)
 
 
 def _ref_reduce_scatter_ragged(all_inputs: list[Inputs], world: int) -> list[Outputs]:
@@ -265,8 +269,18 @@ def _ref_all_to_all(scatter_dim: int, gather_dim: int) -> Callable[[list[Inputs]
     return ref
 
 
-def _call_axis(x: Tensor) -> Tensor:
-    rank, world = _rank_and_world()
+def _heads(rank: int, world: int) -> int:
+    """This rank's share of world + 1 heads, split as torch.tensor_split does: they never divide."""
+    return torch.tensor_split(torch.arange(world + 1), world)[rank].numel()
+
+
+def _call_all_to_all_heads_back(x: Tensor, group: Any = None) -> Tensor:
+    world = funcoll.axis_size(group)
+    return funcoll.all_to_all(x, group, 1, 2, gather_sizes=funcoll.split_sizes(world + 1, world))
+
+
+def _call_axis(x: Tensor, group: Any = None) -> Tensor:
+    rank, world = _rank_and_world(group)
     return x * rank + world
 
 
@@ -293,8 +307,8 @@ def _ref_stack(dim: int) -> Callable[[list[Inputs], int], list[Outputs]]:
 
 
 # --------------------------------------------------------------------------- ragged ops
-def _call_gather_dst0(x: Tensor) -> Tensor | None:
-    return funcoll.gather(x, 0, dst=0)
+def _call_gather_dst0(x: Tensor, group: Any = None) -> Tensor | None:
+    return funcoll.gather(x, 0, dst=0, group=group)
 
 
 def _ref_gather_dst0(all_inputs: list[Inputs], world: int) -> list[Outputs]:
@@ -315,14 +329,14 @@ def _ref_all_gather_ragged(dim: int) -> Callable[[list[Inputs], int], list[Outpu
     return ref
 
 
-def _call_all_to_all_v_exchanged(x: Tensor) -> tuple[Tensor, Tensor]:
-    rank, world = _rank_and_world()
-    return funcoll.all_to_all_v(x, send_sizes(rank, world))
+def _call_all_to_all_v_exchanged(x: Tensor, group: Any = None) -> tuple[Tensor, Tensor]:
+    rank, world = _rank_and_world(group)
+    return funcoll.all_to_all_v(x, send_sizes(rank, world), group=group)
 
 
-def _call_all_to_all_v_given(x: Tensor) -> tuple[Tensor, Tensor]:
-    rank, world = _rank_and_world()
-    return funcoll.all_to_all_v(x, send_sizes(rank, world), recv_sizes(rank, world))
+def _call_all_to_all_v_given(x: Tensor, group: Any = None) -> tuple[Tensor, Tensor]:
+    rank, world = _rank_and_world(group)
+    return funcoll.all_to_all_v(x, send_sizes(rank, world), recv_sizes(rank, world), group=group)
 
 
 def _ref_all_to_all_v(all_inputs: list[Inputs], world: int) -> list[Outputs]:
@@ -393,9 +407,9 @@ def _call_compat_all_gather(q: Tensor) -> list[Tensor]:
     return compat.all_gather(q, funcoll.axis_size(), q.device)
 
 
-def _call_compat_agit_out_inside(x: Tensor) -> Tensor:
-    out = x.new_empty((funcoll.axis_size() * x.shape[0], *x.shape[1:]))
-    compat.all_gather_into_tensor(out, x)
+def _call_compat_agit_out_inside(x: Tensor, group: Any = None) -> Tensor:
+    out = x.new_empty((funcoll.axis_size(group) * x.shape[0], *x.shape[1:]))
+    compat.all_gather_into_tensor(out, x, group)
     return out
 
 
@@ -404,8 +418,8 @@ def _inputs_agit_out_buffer(rank: int, world: int) -> Inputs:
     return (out, _randn(("compat.all_gather_into_tensor-out-input", rank), (3, 5)))
 
 
-def _call_compat_agit_out_input(out: Tensor, x: Tensor) -> Tensor:
-    compat.all_gather_into_tensor(out, x)
+def _call_compat_agit_out_input(out: Tensor, x: Tensor, group: Any = None) -> Tensor:
+    compat.all_gather_into_tensor(out, x, group)
     return out.clone()
 
 
@@ -429,34 +443,42 @@ def _twice_plus_one(rank: int, world: int) -> int:
 
 CASES: list[OpCase] = [
     # even collectives
-    _case("all_gather-x3x5-dim0", call=lambda x: funcoll.all_gather(x, 0), reference=_ref_cat(0)),
+    _case(
+        "all_gather-x3x5-dim0",
+        call=lambda x, group=None: funcoll.all_gather(x, 0, group=group),
+        reference=_ref_cat(0),
+    ),
     _case(
         "all_gather-x3x5-dim1-noncontig",
         _shaped("all_gather-x3x5-dim1-noncontig", 3, 5, noncontig=True),
-        call=lambda x: funcoll.all_gather(x, 1),
+        call=lambda x, group=None: funcoll.all_gather(x, 1, group=group),
         reference=_ref_cat(1),
     ),
     _case(
         "all_gather-untiled-x3x5-dim0",
-        call=lambda x: funcoll.all_gather(x, 0, tiled=False),
+        call=lambda x, group=None: funcoll.all_gather(x, 0, tiled=False, group=group),
         reference=_ref_stack(0),
     ),
     _case(
         "all_gather-untiled-x3x5-dim1",
-        call=lambda x: funcoll.all_gather(x, 1, tiled=False),
+        call=lambda x, group=None: funcoll.all_gather(x, 1, tiled=False, group=group),
         reference=_ref_stack(1),
     ),
-    _case("all_gather_into_tensor-x3x5", call=funcoll.all_gather_into_tensor, reference=_ref_stack(0)),
+    _case(
+        "all_gather_into_tensor-x3x5",
+        call=lambda x, group=None: funcoll.all_gather_into_tensor(x, group=group),
+        reference=_ref_stack(0),
+    ),
     _case(
         "reduce_scatter-x2wx5-dim0",
         _shaped("reduce_scatter-x2wx5-dim0", _twice, 5),
-        call=lambda x: funcoll.reduce_scatter(x, 0),
+        call=lambda x, group=None: funcoll.reduce_scatter(x, 0, group=group),
         reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, 0)],
     ),
     _case(
         "reduce_scatter-x3x2w-dim-1",
         _shaped("reduce_scatter-x3x2w-dim-1", 3, _twice),
-        call=lambda x: funcoll.reduce_scatter(x, -1),
+        call=lambda x, group=None: funcoll.reduce_scatter(x, -1, group=group),
         reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, -1)],
     ),
     _case(
@@ -468,20 +490,27 @@ CASES: list[OpCase] = [
     ),
     _case(
         "all_reduce-x3x5",
-        call=funcoll.all_reduce,
+        call=lambda x, group=None: funcoll.all_reduce(x, group=group),
         reference=lambda xs, w: _same(w, [sum(_firsts(xs))]),
     ),
     _case(
         "all_to_all-x2x3x2wx5-scatter2-gather1",
         _shaped("all_to_all-x2x3x2wx5-scatter2-gather1", 2, 3, _twice, 5),
-        call=funcoll.all_to_all,
+        call=lambda x, group=None: funcoll.all_to_all(x, group),
         reference=_ref_all_to_all(2, 1),
     ),
     _case(
         "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1",
         _shaped("all_to_all-x2w+1x3x5-uneven-scatter0-gather-1", _twice_plus_one, 3, 5),
-        call=lambda x: funcoll.all_to_all(x, None, 0, -1),
+        call=lambda x, group=None: funcoll.all_to_all(x, group, 0, -1),
         reference=_ref_all_to_all(0, -1),
+    ),
+    _case(
+        # Ulysses' way back with a head count world does not divide: (B, S, H_r, D) -> (B, S_r, H, D)
+        "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2",
+        _shaped("all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2", 2, _twice_plus_one, _heads, 3),
+        call=_call_all_to_all_heads_back,
+        reference=_ref_all_to_all(1, 2),
     ),
     _case("ppermute-ring-x3x5", call=_call_ppermute_ring, reference=_ref_ppermute(_ring)),
     _case(
@@ -504,14 +533,14 @@ CASES: list[OpCase] = [
     _case(
         "split_forward_gather_backward-x2w+1x5-dim0",
         _replicated("split_forward_gather_backward-x2w+1x5-dim0", _twice_plus_one, 5),
-        call=lambda x: funcoll.split_forward_gather_backward(x, None, 0),
+        call=lambda x, group=None: funcoll.split_forward_gather_backward(x, group, 0),
         reference=_ref_split(0),
         grad="replicated",
     ),
     _case(
         "split_forward_gather_backward-x3x2w+1-dim-1-up",
         _replicated("split_forward_gather_backward-x3x2w+1-dim-1-up", 3, _twice_plus_one),
-        call=lambda x: funcoll.split_forward_gather_backward(x, None, -1, grad_scale="up"),
+        call=lambda x, group=None: funcoll.split_forward_gather_backward(x, group, -1, grad_scale="up"),
         reference=_ref_split(-1),
         grad="replicated",
         grad_scale="up",
@@ -519,7 +548,7 @@ CASES: list[OpCase] = [
     _case(
         "gather_forward_split_backward-ragged-x_nx5-dim0",
         _shaped("gather_forward_split_backward-ragged-x_nx5-dim0", _ragged, 5),
-        call=lambda x: funcoll.gather_forward_split_backward(x, None, 0),
+        call=lambda x, group=None: funcoll.gather_forward_split_backward(x, group, 0),
         reference=_ref_cat(0),
         grad="own",
         exchanges_sizes=True,
@@ -527,7 +556,7 @@ CASES: list[OpCase] = [
     _case(
         "gather_forward_split_backward-ragged-x3x_n-dim-1-down",
         _shaped("gather_forward_split_backward-ragged-x3x_n-dim-1-down", 3, _ragged_alt),
-        call=lambda x: funcoll.gather_forward_split_backward(x, None, -1, grad_scale="down"),
+        call=lambda x, group=None: funcoll.gather_forward_split_backward(x, group, -1, grad_scale="down"),
         reference=_ref_cat(-1),
         grad="own",
         grad_scale="down",
@@ -537,28 +566,28 @@ CASES: list[OpCase] = [
     _case(
         "gather-auto-ragged-x_nx5-dim0",
         _shaped("gather-auto-ragged-x_nx5-dim0", _ragged, 5),
-        call=lambda x: funcoll.gather(x),
+        call=lambda x, group=None: funcoll.gather(x, group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
     ),
     _case(
         "gather-auto-ragged-x3x_n-dim-1-noncontig",
         _shaped("gather-auto-ragged-x3x_n-dim-1-noncontig", 3, _ragged_alt, noncontig=True),
-        call=lambda x: funcoll.gather(x, -1),
+        call=lambda x, group=None: funcoll.gather(x, -1, group=group),
         reference=_ref_cat(-1),
         exchanges_sizes=True,
     ),
     _case(
         "gather-pad-ragged-x_nx5-dim0",
         _shaped("gather-pad-ragged-x_nx5-dim0", _ragged, 5),
-        call=lambda x: funcoll.gather(x, strategy="pad"),
+        call=lambda x, group=None: funcoll.gather(x, strategy="pad", group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
     ),
     _case(
         "gather-a2a-ragged-x_nx5-dim0",
         _shaped("gather-a2a-ragged-x_nx5-dim0", _ragged_alt, 5),
-        call=lambda x: funcoll.gather(x, strategy="a2a"),
+        call=lambda x, group=None: funcoll.gather(x, strategy="a2a", group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
     ),
@@ -574,14 +603,14 @@ CASES: list[OpCase] = [
     _case(
         "all_gather_list-ragged-x_nx5-dim0",
         _shaped("all_gather_list-ragged-x_nx5-dim0", _ragged, 5),
-        call=lambda x: funcoll.all_gather_list(x),
+        call=lambda x, group=None: funcoll.all_gather_list(x, group=group),
         reference=_ref_all_gather_list,
         exchanges_sizes=True,
     ),
     _case(
         "all_gather_ragged-ragged-x3x_n-dim1",
         _shaped("all_gather_ragged-ragged-x3x_n-dim1", 3, _ragged_alt),
-        call=lambda x: funcoll.all_gather_ragged(x, 1),
+        call=lambda x, group=None: funcoll.all_gather_ragged(x, 1, group=group),
         reference=_ref_all_gather_ragged(1),
         exchanges_sizes=True,
     ),
@@ -601,19 +630,19 @@ CASES: list[OpCase] = [
     _case(
         "gather_padded-x4x5-dim0",
         _inputs_padded("gather_padded-x4x5-dim0", 0),
-        call=lambda x, n: funcoll.gather_padded(x, n),
+        call=lambda x, n, group=None: funcoll.gather_padded(x, n, group=group),
         reference=_ref_gather_padded(0),
     ),
     _case(
         "gather_padded-x3x4-dim-1-noncontig",
         _inputs_padded("gather_padded-x3x4-dim-1-noncontig", -1, noncontig=True),
-        call=lambda x, n: funcoll.gather_padded(x, n, -1),
+        call=lambda x, n, group=None: funcoll.gather_padded(x, n, -1, group=group),
         reference=_ref_gather_padded(-1),
     ),
     _case(
         "all_to_all_padded-xw3x5-dim0",
         _inputs_a2a_padded("all_to_all_padded-xw3x5-dim0"),
-        call=lambda x, n: funcoll.all_to_all_padded(x, n),
+        call=lambda x, n, group=None: funcoll.all_to_all_padded(x, n, group=group),
         reference=_ref_all_to_all_padded,
     ),
     # compat (the seed helpers' signatures)
@@ -621,6 +650,7 @@ CASES: list[OpCase] = [
         "compat.gather-ragged-x_nx5-dim0",
         _shaped("compat.gather-ragged-x_nx5-dim0", _ragged, 5),
         call=lambda t: compat.gather(t),
+        takes_group=False,
         reference=_ref_cat(0),
         exchanges_sizes=True,
         min_world=2,  # on one rank compat.gather returns its input itself, as the original
@@ -629,6 +659,7 @@ CASES: list[OpCase] = [
         "compat.all_gather-ragged-1d",
         _shaped("compat.all_gather-ragged-1d", _ragged_alt),
         call=_call_compat_all_gather,
+        takes_group=False,
         reference=_ref_all_gather_list,
         exchanges_sizes=True,
     ),
@@ -636,26 +667,27 @@ CASES: list[OpCase] = [
         "compat.all_gather_nd-ragged-x_nx2x3",
         _shaped("compat.all_gather_nd-ragged-x_nx2x3", _ragged, 2, 3),
         call=compat.all_gather_nd,
+        takes_group=False,
         reference=_ref_all_gather_list,
         exchanges_sizes=True,
     ),
     _case(
         "compat.all_to_all-x2x3x2wx5",
         _shaped("compat.all_to_all-x2x3x2wx5", 2, 3, _twice, 5),
-        call=lambda t: compat.all_to_all(t, None),
+        call=lambda t, group=None: compat.all_to_all(t, group),
         reference=_ref_all_to_all(2, 1),
     ),
     _case(
         "compat.split_forward_gather_backward-x2w+1x5-dim0",
         _replicated("compat.split_forward_gather_backward-x2w+1x5-dim0", _twice_plus_one, 5),
-        call=lambda t: compat.split_forward_gather_backward(t, None, 0),
+        call=lambda t, group=None: compat.split_forward_gather_backward(t, group, 0),
         reference=_ref_split(0),
         grad="replicated",
     ),
     _case(
         "compat.gather_forward_split_backward-ragged-x_nx5-dim0",
         _shaped("compat.gather_forward_split_backward-ragged-x_nx5-dim0", _ragged, 5),
-        call=lambda t: compat.gather_forward_split_backward(t, None, 0),
+        call=lambda t, group=None: compat.gather_forward_split_backward(t, group, 0),
         reference=_ref_cat(0),
         grad="own",
         exchanges_sizes=True,
@@ -711,7 +743,7 @@ def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None 
     """
     try:
         inputs = _leaves(case, case.inputs(rank, world))
-        outputs = flatten((fn or case.call)(*inputs))
+        outputs = flatten((case.call if fn is None else fn)(*inputs))
         loss = _loss(case.id, rank, outputs) if case.grad != "none" else None
         if loss is not None:
             loss.backward()
@@ -819,11 +851,13 @@ class _Traced(Exception):
     """Raised by a graph compiled by :func:`trace_graphs`: the graphs are recorded, nothing runs."""
 
 
-def _tracing_backend(graphs: dict[str, Any]) -> Any:
-    """aot_autograd with the partitioner aot_eager and inductor use; records the graphs, runs nothing.
+def recording_backend(graphs: dict[str, Any], run: bool = True) -> Any:
+    """aot_autograd with the partitioner aot_eager and inductor use; records the graphs in `graphs`.
 
     The min-cut partitioner matters: it may move backward nodes that do not depend
-    on the gradient into the forward, collectives included.
+    on the gradient into the forward, collectives included. With `run` the
+    compiled graphs then run as aot_eager's would; without, calling them raises
+    ``_Traced`` (:func:`trace_graphs`: traced, never run).
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -833,13 +867,12 @@ def _tracing_backend(graphs: dict[str, Any]) -> Any:
         graphs["fw"], graphs["bw"] = summarize_graph(fw.graph), summarize_graph(bw.graph)
         return fw, bw
 
+    def stop(*args: Any) -> Any:
+        raise _Traced
+
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         graphs.setdefault("fw", summarize_graph(gm.graph))  # an inference graph: no partition
-
-        def stop(*args: Any) -> Any:
-            raise _Traced
-
-        return stop
+        return gm.forward if run else stop
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
 
@@ -860,7 +893,7 @@ def trace_graphs(case: OpCase, rank: int, world: int, backward: bool = True) -> 
     torch._dynamo.reset()
     start = time.perf_counter()
     try:
-        torch.compile(case.call, fullgraph=True, backend=_tracing_backend(graphs))(*inputs)
+        torch.compile(case.call, fullgraph=True, backend=recording_backend(graphs, run=False))(*inputs)
         return {"error": "the compiled function ran instead of stopping after the trace"}
     except _Traced:
         return {"graphs": graphs, "seconds": time.perf_counter() - start}
@@ -943,6 +976,7 @@ def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict
         "all_reduce-x3x5": even["all_reduce"],
         "all_to_all-x2x3x2wx5-scatter2-gather1": even["all_to_all"],
         "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": even["all_to_all"],
+        "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2": even["all_to_all"],
         "ppermute-ring-x3x5": even["ppermute"],
         "ppermute-first-to-last-x3x5": even["ppermute"],
         "broadcast-src-last-x3x5": even["broadcast"],

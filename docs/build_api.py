@@ -16,11 +16,13 @@ import funcoll.testing
 
 SECTIONS = [
     ("Even collectives", funcoll, ["all_gather", "all_gather_into_tensor", "reduce_scatter", "all_reduce",
-                                   "all_to_all", "ppermute", "broadcast", "axis_index", "axis_size"]),
+                                   "all_to_all", "ppermute", "broadcast", "axis_index", "axis_size",
+                                   "split_sizes"]),
     ("Ragged collectives", funcoll, ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v",
                                      "mark_ragged"]),
     ("Static-shape ragged collectives", funcoll, ["gather_padded", "all_to_all_padded"]),
     ("Region ops", funcoll, ["split_forward_gather_backward", "gather_forward_split_backward"]),
+    ("Checks", funcoll, ["set_checks", "checks_enabled"]),
     ("funcoll.compat", funcoll.compat, funcoll.compat.__all__),
     ("funcoll.testing", funcoll.testing, ["run_ranks"]),
 ]  # fmt: skip

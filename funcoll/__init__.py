@@ -5,6 +5,7 @@ ragged along any dim, and traceable by ``torch.compile(fullgraph=True)``. Built 
 the ``torch.ops._c10d_functional`` ops.
 """
 
+from ._config import checks_enabled, set_checks
 from ._even import (
     all_gather,
     all_gather_into_tensor,
@@ -13,6 +14,7 @@ from ._even import (
     broadcast,
     ppermute,
     reduce_scatter,
+    split_sizes,
 )
 from ._group import Group, GroupLike, axis_index, axis_size
 from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, mark_ragged
@@ -35,11 +37,14 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "checks_enabled",
     "gather",
     "gather_forward_split_backward",
     "gather_padded",
     "mark_ragged",
     "ppermute",
     "reduce_scatter",
+    "set_checks",
     "split_forward_gather_backward",
+    "split_sizes",
 ]

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from . import _prims
 from ._checks import (
+    REDUCE_OPS,
+    IntLike,
     check_dim,
     check_rank,
     check_reduce_op,
@@ -20,6 +22,7 @@ from ._checks import (
     wire_op,
 )
 from ._group import GroupLike, resolve_group
+from ._header import check_agreement
 
 __all__ = [
     "all_gather",
@@ -29,6 +32,7 @@ __all__ = [
     "broadcast",
     "ppermute",
     "reduce_scatter",
+    "split_sizes",
 ]
 
 
@@ -56,7 +60,8 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
     Returns:
         ``tiled=True``: ``x.shape`` with ``shape[dim] * world``, the ranks' tensors in
         rank order. ``tiled=False``: ``x.shape`` with a new axis of size world at `dim`.
-        A new, contiguous tensor.
+        A 0-d `x` (a per-rank scalar: a loss, a count) is stacked either way:
+        shape ``(world,)``. A new, contiguous tensor.
 
     Backward: ``reduce_scatter`` (sum) of the gradient along the same dim: each rank
     gets the sum over ranks of the gradient slice that came from it.
@@ -67,14 +72,18 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         all_gather(x)                 # both: [[1, 2], [3, 4]]
         all_gather(x, dim=1)          # both: [[1, 2, 3, 4]]
         all_gather(x, tiled=False)    # both: [[[1, 2]], [[3, 4]]], shape (2, 1, 2)
+        # rank 0: x = tensor(0.5)     rank 1: x = tensor(1.5)
+        all_gather(x)                 # both: [0.5, 1.5]
     """
     return _all_gather("funcoll.all_gather", x, dim, group, tiled)
 
 
 def _all_gather(op: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
     x, group = local_input(op, x, group)
+    tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(op, x, dim, extra=0 if tiled else 1)
     g = resolve_group(op, group)
+    check_agreement(op.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
     # A 0-d x travels as one element (the backends want at least one dim).
@@ -169,6 +178,8 @@ def reduce_scatter(
             f"{name}: x.shape[{d}]={x.shape[d]} does not divide by the group size {g.size}; "
             f"pass `sizes` for a ragged reduce-scatter"
         )
+    n = x.shape[d] // g.size
+    check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(rop), 0), [n] * g.size)
     if g.is_single:
         y = fresh(x)
     else:
@@ -208,51 +219,169 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     if rop == "avg" and not x.dtype.is_floating_point:
         raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
     g = resolve_group(name, group)
+    check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(rop), 0))
     if g.is_single:
         return fresh(x)
     return unwire(_prims.all_reduce(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
 
 
-def all_to_all(x: Tensor, group: GroupLike = None, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
+def split_sizes(total: int, world: int) -> list[int]:
+    """The lengths ``torch.tensor_split`` gives `world` pieces of a dim of length `total`.
+
+    The first ``total % world`` pieces are one longer: how funcoll splits a dim
+    that does not divide (:func:`all_to_all`'s scatter dim, the region ops), and
+    what every rank knows without communicating, so it can serve as
+    ``gather_sizes`` when the ranks' lengths came from such a split (Ulysses
+    attention with a head count the world size does not divide).
+
+    Example::
+
+        split_sizes(7, 3)   # [3, 2, 2]
+        split_sizes(1, 2)   # [1, 0]
+    """
+    name = "funcoll.split_sizes"
+    for arg, v in (("total", total), ("world", world)):
+        if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool):
+            raise TypeError(f"{name}: `{arg}` must be an int, got {type(v).__name__}")
+    if not isinstance(total, torch.SymInt) and total < 0:
+        raise ValueError(f"{name}: `total`={total} must be >= 0")
+    if world < 1:
+        raise ValueError(f"{name}: `world`={world} must be >= 1")
+    return tensor_split_sizes(total, world)
+
+
+def _check_split(name: str, arg: str, sizes: object, world: int) -> list[IntLike]:
+    """A list of `world` non-negative ints (or SymInts), one per rank."""
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"{name}: `{arg}` must be a list of {world} ints, got {type(sizes).__name__}")
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt))]
+    if len(sizes) != world or bad:
+        raise ValueError(f"{name}: `{arg}`={list(sizes)!r} must be {world} ints, one per rank")
+    if any(not isinstance(s, torch.SymInt) and s < 0 for s in sizes):
+        raise ValueError(f"{name}: `{arg}`={list(sizes)!r} has a negative size")
+    return list(sizes)
+
+
+def all_to_all(
+    x: Tensor,
+    group: GroupLike = None,
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
+    *,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+) -> Tensor:
     """Split `x` along `scatter_dim`, send piece i to rank i, concatenate what arrives along `gather_dim`.
 
     Argument order and defaults follow OpenSora's ``all_to_all`` (sequence-parallel
     attention: ``(B, S/w, H, D) -> (B, S, H/w, D)``).
 
+    Uneven dims: the scatter dim is split with ``torch.tensor_split`` semantics
+    (the first ``n % world`` ranks get one more), or as `scatter_sizes` says. The
+    gather dim may differ between ranks when every rank passes `gather_sizes`:
+    rank i holds ``gather_sizes[i]`` along it. Both lists are the same on every
+    rank and known without communicating, so nothing is exchanged. Ulysses
+    attention with H heads that world does not divide goes both ways::
+
+        o = all_to_all(q, g, 2, 1)                                  # (B, S/w, H, D) -> (B, S, H_r, D)
+        q = all_to_all(o, g, 1, 2, gather_sizes=split_sizes(H, w))  # and back
+
     Args:
-        x: the same shape and dtype on every rank.
+        x: every dim but `gather_dim` the same on every rank, and the dtype.
         group: the communicator.
-        scatter_dim: the dim split into world pieces with ``torch.tensor_split``
-            semantics: when it does not divide, the first ``n % world`` ranks get one
-            more.
+        scatter_dim: the dim split into world pieces; piece j goes to rank j.
         gather_dim: the dim the received pieces are concatenated along, in rank order.
+        scatter_sizes: world ints summing to ``x.shape[scatter_dim]``, the same on
+            every rank; None splits as ``torch.tensor_split`` does (:func:`split_sizes`).
+        gather_sizes: world ints, the same on every rank: rank i's
+            ``x.shape[gather_dim]``; None when it is the same on every rank.
 
     Returns:
         A new tensor: ``x.shape`` with ``shape[scatter_dim]`` replaced by this rank's
-        piece length and ``shape[gather_dim]`` multiplied by world.
+        piece length and ``shape[gather_dim]`` by the sum of every rank's length
+        (world times it when they are equal).
 
-    Backward: ``all_to_all`` of the gradient with the two dims swapped: pieces of
-    `gather_dim` go back to the rank they came from and are concatenated along
-    `scatter_dim`.
+    Backward: ``all_to_all`` of the gradient with the two dims swapped, each with
+    its sizes: pieces of `gather_dim` go back to the rank they came from and are
+    concatenated along `scatter_dim`.
+
+    Ranks whose shapes disagree make the backend abort or hang; with
+    ``funcoll.set_checks(True)`` every rank raises a ``ValueError`` instead. A
+    rank whose ``x.shape[gather_dim]`` is not ``gather_sizes[rank]`` raises before
+    communicating.
 
     Example (2 ranks, scatter_dim=1, gather_dim=0)::
 
         # rank 0: x = [[1, 2]]        rank 1: x = [[3, 4]]
         all_to_all(x, None, 1, 0)     # rank 0: [[1], [3]]    rank 1: [[2], [4]]
+        # 3 heads on 2 ranks, back from heads to sequence (scatter_dim=0, gather_dim=1):
+        # rank 0: x = [[1, 2], [5, 6]]  rank 1: x = [[3], [7]]   (gather_sizes=[2, 1])
+        all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
     """
     name = "funcoll.all_to_all"
     x, group = local_input(name, x, group)
     s = check_dim(name, x, scatter_dim, "scatter_dim")
     gd = check_dim(name, x, gather_dim, "gather_dim")
     g = resolve_group(name, group)
+    if scatter_sizes is None:
+        pieces = tensor_split_sizes(x.shape[s], g.size)
+    else:
+        pieces = _check_split(name, "scatter_sizes", scatter_sizes, g.size)
+        _check_sum(name, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
+    widths = None if gather_sizes is None else _check_split(name, "gather_sizes", gather_sizes, g.size)
+    if widths is not None:
+        w, n = widths[g.rank], x.shape[gd]
+        if isinstance(w, torch.SymInt) or isinstance(n, torch.SymInt):
+            torch._check(w == n)
+        elif w != n:
+            raise ValueError(
+                f"{name}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
+                f"but its x.shape[{gd}]={n}"
+            )
+        if s == gd and len(set(widths)) > 1:
+            raise ValueError(
+                f"{name}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
+                f"all-to-all along one dim is funcoll.all_to_all_v"
+            )
+    expected = widths if widths is not None else [x.shape[gd]] * g.size
+    check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
     if g.is_single:
         return fresh(x)
-    pieces = tensor_split_sizes(x.shape[s], g.size)
     mine = pieces[g.rank]
     xm = wire(x).movedim(s, 0)  # (S, *R)
-    z = _prims.all_to_all_rows(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
-    z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
-    return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
+    if widths is None or _static_equal(widths):  # every rank's rows have one shape
+        z = _prims.all_to_all_rows(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
+        z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
+        return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
+    # Rows differ in width between ranks: they travel flat, each piece as its elements.
+    gm = gd + 1 if gd < s else gd  # the gather dim in xm's layout
+    row = xm[0].numel() if xm.shape[0] > 0 else _prod(xm.shape[1:])
+    rows_of = [[*xm.shape[1:gm], w, *xm.shape[gm + 1 :]] for w in widths]  # rank i's row shape
+    recv = [mine * _prod(r) for r in rows_of]
+    got = _prims.all_to_all_rows(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
+    blocks = [b.view(mine, *r) for b, r in zip(torch.split(got, recv), rows_of, strict=True)]
+    return unwire(torch.cat(blocks, gm).movedim(0, s).contiguous(), x.dtype)
+
+
+def _prod(dims: Sequence[IntLike]) -> IntLike:
+    n: IntLike = 1
+    for d in dims:
+        n = n * d
+    return n
+
+
+def _static_equal(sizes: Sequence[IntLike]) -> bool:
+    """All equal, known without a guard: plain ints only (SymInts take the general path)."""
+    return all(isinstance(n, int) for n in sizes) and len(set(sizes)) == 1
+
+
+def _check_sum(name: str, arg: str, sizes: Sequence[IntLike], total: IntLike, what: str) -> None:
+    """`sizes` add up to `total`: a ValueError now, or a runtime assert on symbolic sizes."""
+    got = sum(sizes)
+    if isinstance(got, torch.SymInt) or isinstance(total, torch.SymInt):
+        torch._check(got == total)
+    elif got != total:
+        raise ValueError(f"{name}: `{arg}`={list(sizes)} must sum to {what}={total}, got {got}")
 
 
 def _check_perm(name: str, perm: object, size: int) -> list[tuple[int, int]]:
@@ -295,6 +424,10 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     x, group = local_input(name, x, group)
     g = resolve_group(name, group)
     pairs = _check_perm(name, perm, g.size)
+    dsts = [-1] * g.size  # the destination of every rank, -1 for none: what the check compares
+    for src_rank, dst_rank in pairs:
+        dsts[src_rank] = dst_rank
+    check_agreement("ppermute", x, g, sizes=dsts)
     if g.is_single:
         return fresh(x) if pairs else torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     dst = {s: d for s, d in pairs}.get(g.rank)
@@ -339,6 +472,7 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     x, group = local_input(name, x, group)
     g = resolve_group(name, group)
     check_rank(name, "src", src, g.size)
+    check_agreement("broadcast", x, g, args=(src, 0))
     if g.is_single:
         return fresh(x)
     return unwire(_prims.broadcast(wire(x), src, g.name, g.size, g.rank), x.dtype)

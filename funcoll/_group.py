@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -71,15 +72,46 @@ def _mesh_group(op: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> dist.P
     return mesh.get_group(mesh_dim % mesh.ndim)
 
 
+def _is_process_group(group: object) -> bool:
+    # One type per isinstance: under dynamo (2.13) a ProcessGroup is an opaque
+    # script object, and isinstance against a tuple of types answers False for it.
+    return isinstance(group, dist.ProcessGroup)
+
+
+@torch.compiler.assume_constant_result
+def _size_and_rank_of(name: str) -> tuple[int, int] | None:
+    """(size, rank) of the process group called `name`, or None if there is none.
+
+    c10d resolves names in C++, which dynamo cannot trace; marked as a constant
+    result, this runs once when a compiled region is traced, and the name (a
+    Python string) is guarded on like any constant.
+    """
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(name)
+    except Exception:  # noqa: BLE001 -- c10d raises RuntimeError/ValueError by version
+        return None
+    return pg.size(), pg.rank()
+
+
 def resolve_group(op: str, group: GroupLike) -> Group:
-    """Canonicalise `group` for op `op` (the op's name is used in error messages)."""
+    """Canonicalise `group` for op `op` (the op's name is used in error messages).
+
+    Every form resolves inside a compiled region too, with no graph break: the
+    group is a constant of the trace, so the graph holds its name as a string.
+    """
     if isinstance(group, DeviceMesh):
         return _from_process_group(_mesh_group(op, group, None))
     if isinstance(group, tuple):
         if len(group) != 2 or not isinstance(group[0], DeviceMesh):
             raise TypeError(f"{op}: `group` as a tuple must be (DeviceMesh, mesh_dim), got {group!r}")
         return _from_process_group(_mesh_group(op, group[0], group[1]))
-    if group is not None and not isinstance(group, (dist.ProcessGroup, str)):
+    is_pg = _is_process_group(group)
+    if group is not None and not is_pg and not isinstance(group, str):
+        if dist.is_available() and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"{op}: this rank is not a member of `group` (new_group returned "
+                f"GroupMember.NON_GROUP_MEMBER here); only the group's ranks may call the op"
+            )
         raise TypeError(
             f"{op}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
             f"group name, got {type(group).__name__}"
@@ -90,13 +122,12 @@ def resolve_group(op: str, group: GroupLike) -> Group:
         raise ValueError(f"{op}: `group`={group!r} was given but torch.distributed is not initialized")
     if group is None:
         return _from_process_group(dist.group.WORLD)
-    if isinstance(group, dist.ProcessGroup):
-        return _from_process_group(group)
-    try:
-        pg = dist.distributed_c10d._resolve_process_group(group)
-    except Exception as e:  # c10d raises RuntimeError/ValueError by version
-        raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group") from e
-    return _from_process_group(pg)
+    if is_pg:
+        return _from_process_group(group)  # type: ignore[arg-type]
+    size_rank = _size_and_rank_of(group)
+    if size_rank is None:
+        raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group")
+    return Group(name=group, size=size_rank[0], rank=size_rank[1])
 
 
 def axis_index(group: GroupLike = None) -> int:

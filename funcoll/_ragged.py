@@ -10,6 +10,7 @@ sit at ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. funcoll exchanges
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -42,11 +43,26 @@ def _check_strategy(op: str, strategy: object) -> int:
     return STRATEGIES.index(strategy)  # type: ignore[arg-type]
 
 
+def as_rows(op: str, x: Tensor, dim: object) -> tuple[Tensor, int, int | None]:
+    """(x, dim, ndim): a 0-d `x` as one row along dim 0, with ndim 0 for the header.
+
+    A per-rank scalar (a loss, a count) is gathered as a stack: ``(world,)``.
+    """
+    if x.dim() > 0:
+        return x, check_dim(op, x, dim), None
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim not in (0, -1):
+        raise ValueError(
+            f"{op}: `dim`={dim} is out of range for a 0-d tensor, gathered as one row (dim 0 or -1)"
+        )
+    check_dim(op, x.reshape(1), dim)  # a dim that is no int
+    return x.reshape(1), 0, 0
+
+
 def ragged_all_gather(
-    opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto"
+    opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto", ndim: int | None = None
 ) -> tuple[Tensor, list[IntLike], Tensor]:
     """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
-    table, ints = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)))
+    table, ints = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)), ndim=ndim)
     sizes, stats = split_stats(ints, g.size)
     y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
@@ -87,7 +103,8 @@ def gather(
 
     Returns:
         ``x.shape`` with ``shape[dim] = sum(sizes)``, ranks in order (a new tensor),
-        or None on ranks other than `dst`.
+        or None on ranks other than `dst`. A 0-d `x` (a per-rank scalar: a loss, a
+        count) counts as one row: the result is their stack, of shape ``(world,)``.
 
     Backward (``dst=None``): a ragged ``reduce_scatter`` (sum) of the gradient: rank
     i gets the sum over ranks of rows ``[off_i, off_i + sizes[i])``. With a `dst`
@@ -99,11 +116,13 @@ def gather(
         # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
         gather(x)            # both: [[1, 2], [3, 4], [5, 6]]
         gather(x, dst=1)     # rank 0: None   rank 1: [[1, 2], [3, 4], [5, 6]]
+        # rank 0: x = tensor(0.5)        rank 1: x = tensor(2.0)
+        gather(x)            # both: [0.5, 2.0]
         # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
     op = "funcoll.gather"
     x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
+    x, d, ndim = as_rows(op, x, dim)
     strat = _check_strategy(op, strategy)
     g = resolve_group(op, group)
     if dst is not None:
@@ -112,8 +131,8 @@ def gather(
         _refuse_grad_to_dst(op, x, dst)
         return fresh(x)
     if dst is None:
-        return ragged_all_gather("gather", x, d, g, strategy)[0]
-    _, ints = exchange("gather", x, d, g, args=(dst, strat))
+        return ragged_all_gather("gather", x, d, g, strategy, ndim)[0]
+    _, ints = exchange("gather", x, d, g, args=(dst, strat), ndim=ndim)
     sizes = ints[: g.size]
     _refuse_grad_to_dst(op, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
@@ -146,7 +165,8 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
 
     Returns:
         ``[x_0, x_1, ...]``: rank i's tensor at index i, as views into one gathered
-        buffer (the form of the widely copied ``all_gather_nd`` recipe).
+        buffer (the form of the widely copied ``all_gather_nd`` recipe). A 0-d `x`
+        gives every rank's scalar.
 
     Backward: a ragged ``reduce_scatter`` (sum): rank i gets the sum over ranks of
     the gradients of element i.
@@ -158,14 +178,16 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
     """
     op = "funcoll.all_gather_list"
     x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
+    x0 = x
+    x, d, ndim = as_rows(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
-        return [fresh(x)]
-    _, ints = exchange("all_gather_list", x, d, g, args=(-1, STRATEGIES.index("auto")))
+        return [fresh(x0)]
+    _, ints = exchange("all_gather_list", x, d, g, args=(-1, STRATEGIES.index("auto")), ndim=ndim)
     sizes, stats = split_stats(ints, g.size)
     pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sizes, "auto", g.name, g.size, g.rank, stats)
-    return [unwire(p, x.dtype).movedim(0, d) for p in pieces]
+    pieces = [unwire(p, x.dtype).movedim(0, d) for p in pieces]
+    return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
 
 def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tuple[Tensor, Tensor]:
@@ -179,7 +201,8 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
     Returns:
         ``(y, sizes)``: `y` is the concatenation along `dim` in rank order, `sizes` an
         int64 tensor of shape ``(world,)`` on ``x.device`` with each rank's length;
-        ``sizes.cumsum(0)`` gives the offsets.
+        ``sizes.cumsum(0)`` gives the offsets. A 0-d `x` counts as one row: `y` is
+        the ``(world,)`` stack of every rank's scalar.
 
     Backward: a ragged ``reduce_scatter`` (sum) of the gradient of `y`.
 
@@ -190,11 +213,11 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
     """
     op = "funcoll.all_gather_ragged"
     x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
+    x, d, ndim = as_rows(op, x, dim)
     g = resolve_group(op, group)
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
-    y, _, table = ragged_all_gather("all_gather_ragged", x, d, g)
+    y, _, table = ragged_all_gather("all_gather_ragged", x, d, g, ndim=ndim)
     return y, table[:, SIZE].clone()
 
 
@@ -255,7 +278,7 @@ def reduce_scatter_v(
         if given is None:
             _check_total(op, "sizes", _host_sizes(op, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
-    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 0), sizes=sizes_t)
+    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 1), sizes=sizes_t)
     sz, stats = split_stats(ints, g.size)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
         for u, n in zip(sz, given, strict=False):
@@ -361,7 +384,11 @@ def _host_sizes_pair(
     return _host_sizes(op, "send_sizes", send, world) + _host_sizes(op, "recv_sizes", recv, world)
 
 
-def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
+def _mark_unbacked_takes_min() -> bool:
+    return "min" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+
+
+def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     """Mark `dim` of `x` as a size that changes from call to call, before a compiled step.
 
     A thin wrapper over ``torch._dynamo.decorators.mark_unbacked``: the compiled graph
@@ -379,22 +406,51 @@ def mark_ragged(x: Tensor, dim: int = 0) -> Tensor:
     stride to the unbacked size and traces it static, so the next non-empty call
     compiles a second graph, which then serves every length.
 
+    `min_size` tells the compiler the length is never below it. Code after the
+    op that branches on an empty length, as ``scaled_dot_product_attention``
+    does, cannot trace an unbacked size that may be 0 ("Could not guard on
+    data-dependent expression Eq(u0, 0)"); ``min_size=1`` makes that branch
+    static, and each call checks the bound at run time. It needs a torch whose
+    ``mark_unbacked`` takes ``min`` (2.13 does, 2.10 does not); anywhere,
+    ``torch._check(x.shape[dim] >= 1)`` at the top of the compiled function
+    says the same (docs/compile.md).
+
+    Args:
+        x: the input of a compiled step.
+        dim: the dim whose length changes from call to call.
+        min_size: the smallest length any call will have (0: none assumed).
+
     Example::
 
         step = torch.compile(step_fn, fullgraph=True)
         for batch in loader:                 # the local length varies per step
             step(funcoll.mark_ragged(batch, 0))
+        attn = torch.compile(sp_attention, fullgraph=True)     # calls scaled_dot_product_attention
+        attn(funcoll.mark_ragged(q, 2, min_size=1))             # no rank's sequence is empty
     """
     op = "funcoll.mark_ragged"
     check_tensor(op, "x", x)
     d = check_dim(op, x, dim)
+    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
+        raise ValueError(f"{op}: `min_size`={min_size!r} must be an int >= 0")
     if torch.compiler.is_compiling():
         return x
+    if x.shape[d] < min_size:
+        raise ValueError(f"{op}: x.shape[{d}]={x.shape[d]} is below `min_size`={min_size}")
+    bound: dict[str, int] = {}
+    if min_size > 0:
+        if not _mark_unbacked_takes_min():
+            raise NotImplementedError(
+                f"{op}: `min_size` needs torch._dynamo.mark_unbacked(min=...), which torch "
+                f"{torch.__version__} lacks; put torch._check(x.shape[{d}] >= {min_size}) at the top of "
+                f"the compiled function instead"
+            )
+        bound["min"] = min_size
     if x.numel() == 0:
         strides = [1] * x.dim()
         for i in range(x.dim() - 2, -1, -1):
             strides[i] = strides[i + 1] * x.shape[i + 1]
         if tuple(strides) != x.stride():
             x = x.as_strided(x.shape, strides)
-    torch._dynamo.decorators.mark_unbacked(x, d)
+    torch._dynamo.decorators.mark_unbacked(x, d, **bound)
     return x

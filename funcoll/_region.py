@@ -20,7 +20,7 @@ from torch import Tensor
 from . import _prims
 from ._checks import check_dim, fresh, local_input, tensor_split_sizes, unwire, wire
 from ._group import Group, GroupLike, resolve_group
-from ._header import exchange, split_stats
+from ._header import GRAD_SCALES, check_agreement, exchange, split_stats
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 
@@ -128,6 +128,7 @@ def split_forward_gather_backward(
         # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
     """
     x, d, scale, g = _region_args("funcoll.split_forward_gather_backward", x, group, dim, grad_scale)
+    check_agreement("split_forward_gather_backward", x, g, args=(d, GRAD_SCALES.index(scale)))
     if g.is_single:
         return fresh(x)
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank)

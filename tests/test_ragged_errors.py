@@ -200,7 +200,7 @@ LOCALS: dict[str, Local] = {
         lambda w: funcoll.gather(rows(0, 2, 3), dim=2), "gather", ["`dim`=2", "out of range"]
     ),
     "gather-dim--3-of-2d": Local(lambda w: funcoll.gather(rows(0, 2, 3), dim=-3), "gather", ["`dim`=-3"]),
-    "gather-dim-of-0d": Local(lambda w: funcoll.gather(torch.tensor(1.0)), "gather", ["`dim`=0", "0-d"]),
+    "gather-dim-1-of-0d": Local(lambda w: funcoll.gather(torch.tensor(1.0), 1), "gather", ["`dim`=1", "0-d"]),
     "gather-dim-not-int": Local(
         lambda w: funcoll.gather(rows(0, 2, 3), dim=0.0), "gather", ["`dim`"], "TypeError"
     ),

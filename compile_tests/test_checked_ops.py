@@ -1,0 +1,101 @@
+"""With funcoll.set_checks(True) the even ops compile with their check, and it raises in compiled code.
+
+The check is an all_gather of a header and a custom op that reads it on the host
+(``funcoll::host_ints``); nothing downstream uses its output but a runtime assert
+funcoll ties to it, so the graph must be seen to keep it. On 2 gloo ranks each even op compiles with ``fullgraph=True`` on a
+backend that records its forward graph (and on inductor for all_gather): ranks that
+agree get what the unchecked eager op gives, and the graph holds one more
+all_gather and the host read; ranks that disagree raise the same ``ValueError``
+as eager, on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _ops import AG, collective_counts, recording_backend, run_batch
+
+import funcoll
+
+WORLD = 2
+
+
+def _z(rank: int, *shape: int) -> torch.Tensor:
+    return torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 100 * rank
+
+
+# op -> call(rank) on inputs every rank agrees on
+AGREEING: dict[str, Callable[[int], Any]] = {
+    "all_gather": lambda r: funcoll.all_gather(_z(r, 2, 3), 1),
+    "all_gather_into_tensor": lambda r: funcoll.all_gather_into_tensor(_z(r, 3)),
+    "reduce_scatter": lambda r: funcoll.reduce_scatter(_z(r, 4, 2)),
+    "all_reduce": lambda r: funcoll.all_reduce(_z(r, 3), op="max"),
+    "all_to_all": lambda r: funcoll.all_to_all(_z(r, 2, 4, 2 - r), None, 1, 2, gather_sizes=[2, 1]),
+    "ppermute": lambda r: funcoll.ppermute(_z(r, 3), [(0, 1), (1, 0)]),
+    "broadcast": lambda r: funcoll.broadcast(_z(r, 3), src=1),
+    "split_forward_gather_backward": lambda r: funcoll.split_forward_gather_backward(_z(0, 5), None, 0),
+}
+MISMATCH: Callable[[int], Any] = lambda r: funcoll.all_gather(_z(r, 2 + r, 3))  # noqa: E731
+
+
+def _error(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 -- anything but funcoll's ValueError is a failure
+        return "wrong error: " + traceback.format_exc(limit=-4)
+    return "no error"
+
+
+def _one(rank: int, world: int, key: str) -> dict[str, Any]:
+    torch._dynamo.reset()
+    out: dict[str, Any] = {}
+    if key == "mismatch":
+        with funcoll.set_checks(True):
+            out["eager"] = _error(lambda: MISMATCH(rank))
+            for backend in ("aot_eager", "inductor"):
+                torch._dynamo.reset()
+                fn = torch.compile(lambda: MISMATCH(rank), fullgraph=True, backend=backend)
+                out[backend] = _error(fn)
+        return out
+    call = AGREEING[key]
+    out["unchecked"] = call(rank)
+    graphs: dict[str, Any] = {}
+    with funcoll.set_checks(True):
+        out["checked"] = torch.compile(
+            lambda: call(rank), fullgraph=True, backend=recording_backend(graphs)
+        )()
+    out["graph"] = graphs["fw"]
+    torch._dynamo.reset()
+    return out
+
+
+@functools.cache
+def _results() -> list[dict[str, Any]]:
+    return run_batch(_one, WORLD, [*AGREEING, "mismatch"], timeout=300)
+
+
+@pytest.mark.parametrize("op", list(AGREEING))
+def test_checked_op_compiles_with_its_check_and_matches_unchecked(op: str) -> None:
+    for rank, res in enumerate(_results()):
+        got = res[op]
+        torch.testing.assert_close(got["checked"], got["unchecked"], rtol=0, atol=0)
+        counts = collective_counts(got["graph"])
+        data = 1 if op.startswith("all_gather") else 0  # the op's own all_gather, beside the header's
+        assert counts.get(AG, 0) == data + 1, f"rank {rank}: {counts}"
+        reads = [c["op"] for c in got["graph"] if c["op"].startswith("funcoll.host_ints")]
+        assert len(reads) == 1, f"rank {rank}: the header read is not in the graph"
+
+
+def test_checked_mismatch_raises_in_compiled_code_as_in_eager() -> None:
+    for rank, res in enumerate(_results()):
+        got = res["mismatch"]
+        assert got["eager"].startswith("funcoll.all_gather: ranks disagree on the shape of `x`"), got["eager"]
+        for backend in ("aot_eager", "inductor"):
+            assert got[backend] == got["eager"], f"rank {rank} {backend}: {got[backend]}"

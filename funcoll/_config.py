@@ -1,0 +1,64 @@
+"""funcoll's one run-time switch: cross-rank checks of the even collectives.
+
+The ragged ops always exchange a header (they need the sizes), and that header
+doubles as a check that the ranks agree. The even ops exchange nothing: every
+rank must pass the same shape, and a rank that does not makes the backend abort
+the process (gloo: "Received data size doesn't match expected size") or hang
+(NCCL). With checks on, every even op first all-gathers the same small header
+and raises the same ``ValueError`` on every rank when the ranks disagree, at
+the price of one small collective and one device-to-host read per call.
+
+Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
+compiled region reads the switch when it is traced and is traced again when it
+changes (dynamo guards on it), so set it outside compiled code.
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+
+__all__ = ["checks_enabled", "set_checks"]
+
+_enabled = os.environ.get("FUNCOLL_CHECKS", "0") == "1"
+
+
+def checks_enabled() -> bool:
+    """Whether the even ops check across ranks that their shapes and arguments agree."""
+    return _enabled
+
+
+class set_checks:
+    """Turn the cross-rank checks of the even ops on or off; usable as a context manager.
+
+    ``funcoll.set_checks(True)`` turns them on for the rest of the process;
+    ``with funcoll.set_checks(True): ...`` for a block, restoring the previous
+    setting when it exits. See docs/index.md, Checks.
+
+    Args:
+        enabled: True to check, False not to.
+
+    Example (2 ranks)::
+
+        # rank 0: x of shape (2, 3)      rank 1: x of shape (3, 3)
+        with funcoll.set_checks(True):
+            funcoll.all_gather(x)
+        # both ranks: ValueError: funcoll.all_gather: ranks disagree on the shape of `x` ...
+        # (unchecked, gloo aborts the process; NCCL hangs)
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        global _enabled
+        if not isinstance(enabled, bool):
+            raise TypeError(f"funcoll.set_checks: `enabled` must be a bool, got {type(enabled).__name__}")
+        self._previous = _enabled
+        _enabled = enabled
+
+    def __enter__(self) -> set_checks:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        global _enabled
+        _enabled = self._previous
