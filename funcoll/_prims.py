@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _F = torch.ops._c10d_functional
 
@@ -50,6 +51,26 @@ def _wait(t: Tensor) -> Tensor:
     return _F.wait_tensor(t)
 
 
+def _payload(x: Tensor) -> Tensor:
+    """`x` as a collective's input: contiguous, and a node of its own when it is empty.
+
+    Compilers merge equal nodes (AOT autograd's CSE), collectives included: two
+    collectives on the same input with the same arguments become one. On a rank
+    whose tensor is empty by its static shape (a Ulysses rank with no head, a rank
+    with no rows to send), the gradients feeding several collectives can all be
+    the same constant empty tensor, so that rank would issue fewer collectives than
+    the others and the step would hang. An empty tensor's values are never read, so
+    each collective's input gets a fresh ``torch.empty`` added to it: ``aten.empty``
+    is never merged, so neither is the add nor the collective, and the add keeps
+    the input's place in the graph (an input that no longer depended on the
+    gradient would let the partitioner hoist a backward collective into the
+    forward on that rank alone).
+    """
+    if torch.compiler.is_compiling() and statically_known_true(x.numel() == 0):
+        return x + torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return x.contiguous()
+
+
 def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
     # Dynamo (2.13) fails with "Argument ... does not belong to this Graph" when a
     # SymInt that is a graph input is stored on an autograd ctx as is; `s + 0` is a
@@ -59,7 +80,7 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 
 # --------------------------------------------------------------------------- all_gather0
 def _all_gather0_impl(x: Tensor, name: str, size: int) -> Tensor:
-    return _wait(_F.all_gather_into_tensor(x.contiguous(), size, name))
+    return _wait(_F.all_gather_into_tensor(_payload(x), size, name))
 
 
 class _AllGather0(torch.autograd.Function):
@@ -86,7 +107,7 @@ def _avg_as_sum(op: str, size: int, run: Any) -> Tensor:
 
 
 def _reduce_scatter0_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    return _avg_as_sum(op, size, lambda o: _F.reduce_scatter_tensor(x.contiguous(), o, size, name))
+    return _avg_as_sum(op, size, lambda o: _F.reduce_scatter_tensor(_payload(x), o, size, name))
 
 
 class _ReduceScatter0(torch.autograd.Function):
@@ -118,7 +139,7 @@ def _scale_for_op(opname: str, op: str, g: Tensor, size: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- all_reduce
 def _all_reduce_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    return _avg_as_sum(op, size, lambda o: _F.all_reduce(x.contiguous(), o, name))
+    return _avg_as_sum(op, size, lambda o: _F.all_reduce(_payload(x), o, name))
 
 
 class _AllReduce(torch.autograd.Function):
@@ -142,7 +163,7 @@ class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], name: str) -> Tensor:
         ctx.recv, ctx.send, ctx.name = _ctx_ints(recv), _ctx_ints(send), name
-        return _wait(_F.all_to_all_single(x.contiguous(), recv, send, name))
+        return _wait(_F.all_to_all_single(_payload(x), recv, send, name))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -159,7 +180,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
         ctx.src, ctx.name, ctx.size, ctx.rank = src, name, size, rank
-        return _wait(_F.broadcast(x.contiguous(), src, name))
+        return _wait(_F.broadcast(_payload(x), src, name))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -258,7 +279,7 @@ def _all_gather_v_impl(
     a backward into the forward, which would reorder one rank's collectives
     against another's).
     """
-    block = _wait(_F.all_gather_into_tensor(x.narrow(0, 0, common).contiguous(), size, name))
+    block = _wait(_F.all_gather_into_tensor(_payload(x.narrow(0, 0, common)), size, name))
     extras = [n - common for n in sizes]
     mine = x.narrow(0, common, extras[rank]).contiguous()
     received: dict[int, Tensor] = {}
@@ -270,7 +291,7 @@ def _all_gather_v_impl(
         send[to] = extras[rank]
         recv = [0] * size
         recv[frm] = extras[frm]
-        received[frm] = _wait(_F.all_to_all_single(mine, recv, send, name))
+        received[frm] = _wait(_F.all_to_all_single(_payload(mine), recv, send, name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
     pieces = []
@@ -289,7 +310,7 @@ def _reduce_scatter_v_impl(
     reduces the `size` pieces locally.
     """
     mine = sizes[rank]
-    got = _wait(_F.all_to_all_single(x.contiguous(), [mine] * size, list(sizes), name))
+    got = _wait(_F.all_to_all_single(_payload(x), [mine] * size, list(sizes), name))
     stacked = got.view(size, mine, *x.shape[1:])
     if op == "sum":
         return stacked.sum(0)
