@@ -300,7 +300,6 @@ PROGRAMS: dict[str, tuple[Runner, Callable[[int, str], list[dict[str, Tensor]]],
 }
 
 
-
 def run_body(rank: int, world: int) -> dict[str, Any]:
     parallel_state.initialize(world)
     sub = dist.new_group(list(range(world)))  # the sequence-parallel group: all ranks
@@ -376,7 +375,9 @@ def _collective_sequence(rank: int, world: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_compiled_ulysses_with_empty_head_shards_issues_the_same_collectives_on_every_rank(world: int) -> None:
+def test_compiled_ulysses_with_empty_head_shards_issues_the_same_collectives_on_every_rank(
+    world: int,
+) -> None:
     from funcoll.testing import run_ranks
 
     per_rank = run_ranks(_collective_sequence, world, timeout=120)
