@@ -62,12 +62,13 @@ def test_without_a_bound_the_empty_branch_cannot_be_traced() -> None:
 
 
 @pytest.mark.parametrize(
-    ("x", "min_size", "fragment"),
-    [(torch.zeros(2, 0), 1, "below `min_size`=1"), (torch.zeros(2, 3), -1, "`min_size`=-1"),
-     (torch.zeros(2, 3), 1.0, "`min_size`=1.0")],
+    ("x", "min_size", "error", "fragment"),
+    [(torch.zeros(2, 0), 1, ValueError, "below `min_size`=1"),
+     (torch.zeros(2, 3), -1, ValueError, "`min_size`=-1"),
+     (torch.zeros(2, 3), 1.0, TypeError, "`min_size` must be an int, got float 1.0")],
     ids=["below", "negative", "float"],
 )  # fmt: skip
-def test_bad_min_size_raises(x: torch.Tensor, min_size: object, fragment: str) -> None:
-    with pytest.raises(ValueError, match=r"funcoll\.mark_ragged") as info:
+def test_bad_min_size_raises(x: torch.Tensor, min_size: object, error: type, fragment: str) -> None:
+    with pytest.raises(error, match=r"funcoll\.mark_ragged") as info:
         funcoll.mark_ragged(x, 1, min_size=min_size)  # type: ignore[arg-type]
     assert fragment in str(info.value)

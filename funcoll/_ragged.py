@@ -431,8 +431,10 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     op = "funcoll.mark_ragged"
     check_tensor(op, "x", x)
     d = check_dim(op, x, dim)
-    if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
-        raise ValueError(f"{op}: `min_size`={min_size!r} must be an int >= 0")
+    if not isinstance(min_size, int) or isinstance(min_size, bool):
+        raise TypeError(f"{op}: `min_size` must be an int, got {type(min_size).__name__} {min_size!r}")
+    if min_size < 0:
+        raise ValueError(f"{op}: `min_size`={min_size} must be >= 0")
     if torch.compiler.is_compiling():
         return x
     if x.shape[d] < min_size:
