@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from funcoll import _prims
+from funcoll import _rows
 
 ROW = 1024
 
@@ -65,8 +65,6 @@ def _sizes(world: int, layout: str, total_rows: int) -> list[int]:
 
 
 def _moves(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> dict[str, Callable[[], object]]:
-    from funcoll._static import _pack
-
     world, longest, total = len(sizes), max(sizes), sum(sizes)
     blocks = torch.randn(world * longest, ROW, device=dev).to(dtype)
     counts = torch.tensor(sizes, device=dev)
@@ -75,12 +73,12 @@ def _moves(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> dict[str,
     grad = torch.randn(total, ROW, device=dev).to(dtype)
 
     def cut_fw_bw() -> object:  # the cut and its backward (the scatter back to the padded layout)
-        return torch.autograd.grad(_prims._unpad(leaf, sizes, longest, total), leaf, grad)
+        return torch.autograd.grad(_rows.cut_padding(leaf, sizes, longest, total), leaf, grad)
 
     return {
-        "pad": lambda: _prims.pad_rows(mine, longest),
-        "cut": lambda: _prims._unpad(blocks, sizes, longest, total),
-        "pack": lambda: _pack(blocks, counts, longest),
+        "pad": lambda: _rows.pad_rows(mine, longest),
+        "cut": lambda: _rows.cut_padding(blocks, sizes, longest, total),
+        "pack": lambda: _rows.pack(blocks, counts, longest, blocks.shape[0]),
         "cut+bw": cut_fw_bw,
     }
 

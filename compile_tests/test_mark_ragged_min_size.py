@@ -15,7 +15,7 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 
 import funcoll
-from funcoll._ragged import _mark_unbacked_takes_min
+from funcoll._compile import _mark_unbacked_takes_min
 
 LENGTHS = (3, 5, 1, 7, 2)
 

@@ -5,6 +5,7 @@ ragged along any dim, and traceable by ``torch.compile(fullgraph=True)``. Built 
 the ``torch.ops._c10d_functional`` ops.
 """
 
+from ._compile import mark_ragged
 from ._config import checks_enabled, set_checks
 from ._even import (
     all_gather,
@@ -17,7 +18,7 @@ from ._even import (
     split_sizes,
 )
 from ._group import Group, GroupLike, axis_index, axis_size
-from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, mark_ragged
+from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather
 from ._region import gather_forward_split_backward, split_forward_gather_backward
 from ._static import all_to_all_padded, gather_padded
 

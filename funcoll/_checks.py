@@ -12,7 +12,6 @@ from torch import Tensor
 IntLike = int | torch.SymInt
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
-STRATEGIES = ("auto", "pad", "a2a")
 
 
 def check_tensor(op: str, name: str, x: object) -> Tensor:
@@ -89,17 +88,81 @@ def fresh(x: Tensor) -> Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def wire_op(op: str, dtype: torch.dtype) -> str:
-    """The reduction to run on the wire: bool travels as uint8, where or is max and and is min."""
-    if dtype == torch.bool:
-        return {"sum": "max", "product": "min"}.get(op, op)
-    return op
+def is_int_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype: bool, floating and complex dtypes are not."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def wire(x: Tensor) -> Tensor:
-    """The tensor as it travels: bool as uint8 (not every backend carries bool)."""
-    return x.view(torch.uint8) if x.dtype == torch.bool else x
+def check_sizes(
+    op: str,
+    arg: str,
+    sizes: object,
+    count: int | None,
+    *,
+    tensors: bool = True,
+    bound: IntLike | None = None,
+    bound_text: str = "",
+) -> list[IntLike] | Tensor:
+    """`sizes`: `count` row counts (one per rank), as ints or an integer tensor.
+
+    funcoll's one size check, one contract for every op that takes sizes:
+
+    - ``TypeError``: `sizes` is neither a list/tuple of ints nor (with `tensors`) a
+      tensor; a tensor whose dtype is not an integer one (float, complex, bool); an
+      entry that is not an int (a bool, a float).
+    - ``ValueError``: not `count` entries (a tensor must be 1-d, or 0-d for one
+      entry); a negative entry; with `bound`, an entry above it (`bound_text` says
+      what the bound is).
+
+    `count` None means one count given on its own (an int, or a tensor of one
+    element), such as ``gather_padded``'s `length`. Ints are checked here, before
+    any communication; SymInt entries pass (a compiled graph asserts on them where
+    they are used). A tensor's values are checked where they are read: on the host
+    (``host_ints``) or on the device after the header exchange. Returns the ints as
+    a list, or the tensor.
+    """
+    n_wanted = 1 if count is None else count
+    kinds = "an int" if count is None else "a list of ints"
+    kinds = f"an integer tensor or {kinds}" if tensors else kinds
+    if isinstance(sizes, Tensor) and tensors:
+        if not is_int_dtype(sizes.dtype):
+            raise TypeError(f"{op}: `{arg}` must be {kinds}, got a {sizes.dtype} tensor")
+        if sizes.dim() > 1 or sizes.numel() != n_wanted or (sizes.dim() == 0 and count not in (None, 1)):
+            raise ValueError(
+                f"{op}: `{arg}` must hold {n_wanted} value(s), got a tensor of shape {tuple(sizes.shape)}"
+            )
+        return sizes
+    if count is None:
+        if isinstance(sizes, bool) or not isinstance(sizes, (int, torch.SymInt)):
+            raise TypeError(f"{op}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
+        ints, where = [sizes], lambda i: f"`{arg}`"
+    else:
+        if not isinstance(sizes, (list, tuple)):
+            raise TypeError(f"{op}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
+        for i, n in enumerate(sizes):
+            if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+                raise TypeError(f"{op}: `{arg}`[{i}] must be an int, got {type(n).__name__} {n!r}")
+        if len(sizes) != count:
+            raise ValueError(
+                f"{op}: `{arg}`={list(sizes)!r} must be {count} ints, one per rank, got {len(sizes)}"
+            )
+        ints, where = list(sizes), lambda i: f"`{arg}`[{i}]"
+    for i, n in enumerate(ints):
+        if isinstance(n, torch.SymInt):
+            continue
+        if bound is not None and isinstance(bound, int) and not 0 <= n <= bound:
+            raise ValueError(f"{op}: {where(i)}={n} is outside [0, {bound}] = [0, {bound_text}]")
+        if n < 0:
+            raise ValueError(f"{op}: {where(i)}={n} is negative: sizes are row counts")
+    return ints
 
 
-def unwire(y: Tensor, dtype: torch.dtype) -> Tensor:
-    return y.view(torch.bool) if dtype == torch.bool else y
+def check_total(op: str, arg: str, sizes: list[IntLike], total: IntLike, what: str) -> None:
+    """`sizes` add up to `total` (`what` names it): a ValueError now, or a runtime assert on symbols."""
+    got = sum(sizes)
+    # Under dynamo a SymInt passes isinstance(., int) and fails isinstance(., SymInt):
+    # in a compiled graph every total is asserted at run time instead.
+    if torch.compiler.is_compiling() or isinstance(got, torch.SymInt) or isinstance(total, torch.SymInt):
+        torch._check(got == total, lambda: f"{op}: `{arg}` does not sum to {what}")
+    elif got != total:
+        raise ValueError(f"{op}: `{arg}`={list(sizes)} sums to {got}, but {what}={total}")

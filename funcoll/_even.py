@@ -14,15 +14,16 @@ from ._checks import (
     check_dim,
     check_rank,
     check_reduce_op,
+    check_sizes,
+    check_total,
     fresh,
     local_input,
     tensor_split_sizes,
-    unwire,
-    wire,
-    wire_op,
 )
 from ._group import GroupLike, resolve_group
 from ._header import check_agreement
+from ._ragged import reduce_scatter_v
+from ._wire import unwire, wire, wire_op
 
 __all__ = [
     "all_gather",
@@ -166,8 +167,6 @@ def reduce_scatter(
     if sizes is not None:
         if not tiled:
             raise ValueError(f"{name}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
-        from ._ragged import reduce_scatter_v
-
         return reduce_scatter_v(name, x, d, sizes, rop, g)
     if not tiled and x.shape[d] != g.size:
         raise ValueError(
@@ -250,18 +249,6 @@ def split_sizes(total: int, world: int) -> list[int]:
     return tensor_split_sizes(total, world)
 
 
-def _check_split(name: str, arg: str, sizes: object, world: int) -> list[IntLike]:
-    """A list of `world` non-negative ints (or SymInts), one per rank."""
-    if not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"{name}: `{arg}` must be a list of {world} ints, got {type(sizes).__name__}")
-    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt))]
-    if len(sizes) != world or bad:
-        raise ValueError(f"{name}: `{arg}`={list(sizes)!r} must be {world} ints, one per rank")
-    if any(not isinstance(s, torch.SymInt) and s < 0 for s in sizes):
-        raise ValueError(f"{name}: `{arg}`={list(sizes)!r} has a negative size")
-    return list(sizes)
-
-
 def all_to_all(
     x: Tensor,
     group: GroupLike = None,
@@ -326,18 +313,20 @@ def all_to_all(
     if scatter_sizes is None:
         pieces = tensor_split_sizes(x.shape[s], g.size)
     else:
-        pieces = _check_split(name, "scatter_sizes", scatter_sizes, g.size)
-        _check_sum(name, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
-    widths = None if gather_sizes is None else _check_split(name, "gather_sizes", gather_sizes, g.size)
+        pieces = check_sizes(name, "scatter_sizes", scatter_sizes, g.size, tensors=False)
+        check_total(name, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
+    widths = (
+        None
+        if gather_sizes is None
+        else check_sizes(name, "gather_sizes", gather_sizes, g.size, tensors=False)
+    )
     if widths is not None:
         w, n = widths[g.rank], x.shape[gd]
-        if isinstance(w, torch.SymInt) or isinstance(n, torch.SymInt):
-            torch._check(w == n)
+        says = f"{name}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}"
+        if torch.compiler.is_compiling():  # SymInts look like ints to dynamo: assert at run time
+            torch._check(w == n, lambda: f"{says}, but its x.shape[{gd}] differs")
         elif w != n:
-            raise ValueError(
-                f"{name}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
-                f"but its x.shape[{gd}]={n}"
-            )
+            raise ValueError(f"{says}, but its x.shape[{gd}]={n}")
         if s == gd and len(set(widths)) > 1:
             raise ValueError(
                 f"{name}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
@@ -373,15 +362,6 @@ def _prod(dims: Sequence[IntLike]) -> IntLike:
 def _static_equal(sizes: Sequence[IntLike]) -> bool:
     """All equal, known without a guard: plain ints only (SymInts take the general path)."""
     return all(isinstance(n, int) for n in sizes) and len(set(sizes)) == 1
-
-
-def _check_sum(name: str, arg: str, sizes: Sequence[IntLike], total: IntLike, what: str) -> None:
-    """`sizes` add up to `total`: a ValueError now, or a runtime assert on symbolic sizes."""
-    got = sum(sizes)
-    if isinstance(got, torch.SymInt) or isinstance(total, torch.SymInt):
-        torch._check(got == total)
-    elif got != total:
-        raise ValueError(f"{name}: `{arg}`={list(sizes)} must sum to {what}={total}, got {got}")
 
 
 def _check_perm(name: str, perm: object, size: int) -> list[tuple[int, int]]:

@@ -26,37 +26,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import REDUCE_OPS, STRATEGIES
+from ._checks import REDUCE_OPS, IntLike
 from ._config import checks_enabled
 from ._group import Group
 from ._prims import Stats
+from ._strategy import STRATEGIES
 
-IntLike = int | torch.SymInt
-
-OPS = (
-    "gather",
-    "all_gather_ragged",
-    "all_gather_list",
-    "all_to_all_v",
-    "reduce_scatter",
-    "gather_forward_split_backward",
-    # the even ops, which exchange a header only with funcoll.set_checks(True)
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_reduce",
-    "all_to_all",
-    "ppermute",
-    "broadcast",
-    "split_forward_gather_backward",
-)
-# Ops whose header is a check only: the host ints they read are just this rank's
-# ndim, which the caller ties to x.dim() so that a compiled graph keeps the check.
-CHECK_ONLY = OPS[6:]
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -110,7 +91,7 @@ def exchange(
     """
     d = -1 if dim is None else dim
     row = [
-        OPS.index(opname), x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
+        CODES[opname], x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
         0 if dim is None else x.shape[dim], args[0], args[1], *_shape_columns(x, d),
     ]  # fmt: skip
     header = torch.tensor(row, dtype=torch.int64, device=x.device)
@@ -149,22 +130,12 @@ def _read(t: Tensor, opname: str, rank: int) -> list[int]:
     if not opname:
         return values
     _check_rows(opname, values, rank)
-    world = len(values)
-    if opname in CHECK_ONLY:
-        return [values[rank][NDIM]]
-    if opname == "all_to_all_v":
-        return values[rank][WIDTH : WIDTH + world] + [r[WIDTH + rank] for r in values]
-    sizes = values[rank][WIDTH : WIDTH + world] if opname == "reduce_scatter" else [r[SIZE] for r in values]
-    return [*sizes, min(sizes), max(sizes), sum(sizes)]
+    return HEADERS[opname].reads.read(values, rank)
 
 
 def _n_ints(opname: str, world: int) -> int:
     """How many ints `_read` returns for `opname` at `world` ranks."""
-    if not opname:
-        return world
-    if opname in CHECK_ONLY:
-        return 1
-    return 2 * world if opname == "all_to_all_v" else world + 3
+    return world if not opname else HEADERS[opname].reads.count(world)
 
 
 def split_stats(ints: list[IntLike], world: int) -> tuple[list[IntLike], Stats]:
@@ -195,70 +166,33 @@ def _describe(row: list[int]) -> str:
     return f"shape {tuple(shape)} {dtype}".replace("torch.", "")
 
 
-_ARG_NAMES: dict[str, tuple[str | None, str | None]] = {
-    "gather": ("dst", "strategy"),
-    "all_gather_ragged": (None, "strategy"),
-    "all_gather_list": (None, "strategy"),
-    "gather_forward_split_backward": (None, "strategy"),
-    "reduce_scatter": ("op", "sizes"),
-    "all_gather": ("dim", "tiled"),
-    "all_reduce": ("op", None),
-    "all_to_all": ("scatter_dim", None),
-    "broadcast": ("src", None),
-    "split_forward_gather_backward": ("dim", "grad_scale"),
-}
-GRAD_SCALES = (None, "up", "down")
-
-
-def _arg_names(opname: str) -> tuple[str | None, str | None]:
-    """What ARG0 and ARG1 carry for each op."""
-    return _ARG_NAMES.get(opname, (None, None))
-
-
-def _arg_value(name: str, code: int) -> object:
-    if name == "dst":
-        return None if code < 0 else code
-    if name == "strategy":
-        return repr(STRATEGIES[code]) if 0 <= code < len(STRATEGIES) else code
-    if name == "op":
-        return repr(REDUCE_OPS[code]) if 0 <= code < len(REDUCE_OPS) else code
-    if name == "sizes":
-        return "given" if code else "None"
-    if name == "tiled":
-        return bool(code)
-    if name == "grad_scale":
-        return repr(GRAD_SCALES[code]) if 0 <= code < len(GRAD_SCALES) else code
-    return code
-
-
-def _perm_pairs(dsts: list[int]) -> list[tuple[int, int]]:
-    """ppermute's tail (the destination of every rank, -1 for none) as (src, dst) pairs."""
-    return [(i, d) for i, d in enumerate(dsts) if d >= 0]
+def _disagree(op: str, rows: list[list[int]], what: str, key: Callable[[list[int]], object],
+              show: Callable[[list[int]], object]) -> None:  # fmt: skip
+    """Raise on every rank if the ranks' rows differ in `key`, showing each rank's `show`."""
+    if len({key(r) for r in rows}) > 1:
+        detail = ", ".join(f"rank {i}: {show(r)}" for i, r in enumerate(rows))
+        raise ValueError(f"{op}: ranks disagree on {what} ({detail})")
 
 
 def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
     op = f"funcoll.{opname}"
-    world = len(rows)
-
-    def disagree(what: str, key: Callable[[list[int]], object], show: Callable[[list[int]], object]) -> None:
-        if len({key(r) for r in rows}) > 1:
-            detail = ", ".join(f"rank {i}: {show(r)}" for i, r in enumerate(rows))
-            raise ValueError(f"{op}: ranks disagree on {what} ({detail})")
-
+    spec = HEADERS[opname]
     if len({r[OP] for r in rows}) > 1:
-        names = ", ".join(f"rank {i}: {OPS[r[OP]] if r[OP] < len(OPS) else '?'}" for i, r in enumerate(rows))
-        kind = "ragged ops" if all(OPS[r[OP]] not in CHECK_ONLY for r in rows if r[OP] < len(OPS)) else "ops"
+        called = [_BY_CODE[r[OP]] if 0 <= r[OP] < len(_BY_CODE) else None for r in rows]
+        names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
+        kind = "ragged ops" if all(h is None or not h.check_only for h in called) else "ops"
         raise ValueError(f"{op}: ranks called different {kind} at the same point ({names})")
-    # the dim whose length may differ: a ragged op's `dim`, all_to_all's gather_dim, none for the rest
-    dim_name = {"all_to_all": "`gather_dim`"}.get(opname, "the ragged `dim`")
-    disagree("`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
-    disagree(dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
-    disagree("`x`.dtype", lambda r: r[DTYPE], lambda r: _describe(r).split()[-1] + f" ({_describe(r)})")
+    dim_name = spec.varying_dim
+    _disagree(op, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
+    _disagree(op, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
+    _disagree(
+        op, rows, "`x`.dtype", lambda r: r[DTYPE], lambda r: _describe(r).split()[-1] + f" ({_describe(r)})"
+    )
     rest = "" if rows[0][DIM] < 0 else f" apart from {dim_name}"
-    disagree(f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
-    for col, name in zip((ARG0, ARG1), _arg_names(opname), strict=False):
-        if name is not None:
-            disagree(f"`{name}`", lambda r, c=col: r[c], lambda r, c=col, n=name: _arg_value(n, r[c]))
+    _disagree(op, rows, f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
+    for col, arg in zip((ARG0, ARG1), spec.args, strict=True):
+        if arg is not None:
+            _disagree(op, rows, f"`{arg.name}`", lambda r, c=col: r[c], lambda r, c=col, a=arg: a.show(r[c]))
     if len({r[GRAD] for r in rows}) > 1:
         on = [i for i, r in enumerate(rows) if r[GRAD]]
         off = [i for i, r in enumerate(rows) if not r[GRAD]]
@@ -266,50 +200,163 @@ def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
             f"{op}: `x` requires grad on ranks {on} but not on ranks {off}; the backward is a "
             f"collective that every rank must join, so all ranks or none must require grad"
         )
-    tails = [r[WIDTH : WIDTH + world] for r in rows]
-    if opname == "all_to_all_v":
-        for i, (r, send) in enumerate(zip(rows, tails, strict=False)):
-            if any(s < 0 for s in send) or sum(send) != r[SIZE]:
-                raise ValueError(
-                    f"{op}: rank {i} has `send_sizes`={send}, which must be {world} non-negative "
-                    f"ints summing to x.shape[dim]={r[SIZE]}"
-                )
-    if opname == "ppermute":
-        if len({tuple(t) for t in tails}) > 1:
-            detail = ", ".join(f"rank {i}: {_perm_pairs(t)}" for i, t in enumerate(tails))
-            raise ValueError(f"{op}: ranks disagree on `perm` ({detail})")
-    if opname == "all_to_all":
-        gd = rows[0][DIM]
-        scatter = [r[WIDTH + world : WIDTH + 2 * world] for r in rows]
-        if len({tuple(t) for t in scatter}) > 1:
-            detail = ", ".join(f"rank {i}: {t}" for i, t in enumerate(scatter))
+    for check in spec.checks:
+        check(op, rows)
+
+
+# ------------------------------------------------------------ what each op's header says
+@dataclass(frozen=True)
+class Arg:
+    """An op argument that travels in the ARG0 or ARG1 column: its name and how to show a code."""
+
+    name: str
+    show: Callable[[int], object] = lambda code: code
+
+
+def _named(values: tuple) -> Callable[[int], object]:
+    return lambda code: repr(values[code]) if 0 <= code < len(values) else code
+
+
+GRAD_SCALES = (None, "up", "down")
+DST = Arg("dst", lambda code: None if code < 0 else code)
+STRATEGY = Arg("strategy", _named(STRATEGIES))
+REDUCE_OP = Arg("op", _named(REDUCE_OPS))
+
+
+@dataclass(frozen=True)
+class Reader:
+    """Which host ints a call reads off the gathered table, and how many (`count(world)`)."""
+
+    read: Callable[[list[list[int]], int], list[int]]
+    count: Callable[[int], int]
+
+
+def _with_stats(sizes: list[int]) -> list[int]:
+    return [*sizes, min(sizes), max(sizes), sum(sizes)]  # see split_stats
+
+
+LENGTHS = Reader(lambda rows, rank: _with_stats([r[SIZE] for r in rows]), lambda w: w + 3)
+SLICE_SIZES = Reader(lambda rows, rank: _with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3)
+SEND_RECV = Reader(
+    lambda rows, rank: rows[rank][WIDTH : WIDTH + len(rows)] + [r[WIDTH + rank] for r in rows],
+    lambda w: 2 * w,
+)
+NDIM_ONLY = Reader(lambda rows, rank: [rows[rank][NDIM]], lambda w: 1)  # an even op's check
+
+
+def _tails(rows: list[list[int]], first: int = 0) -> list[list[int]]:
+    """Every rank's `first`-th block of `world` tail columns."""
+    world = len(rows)
+    return [r[WIDTH + first * world : WIDTH + (first + 1) * world] for r in rows]
+
+
+def _same_tails(op: str, rows: list[list[int]], message: str, first: int = 0,
+                show: Callable[[list[int]], object] = lambda t: t) -> None:  # fmt: skip
+    tails = _tails(rows, first)
+    if len({tuple(t) for t in tails}) > 1:
+        detail = ", ".join(f"rank {i}: {show(t)}" for i, t in enumerate(tails))
+        raise ValueError(f"{op}: {message.format(detail=detail, dim=rows[0][DIM])}")
+
+
+def _check_send_sizes(op: str, rows: list[list[int]]) -> None:
+    for i, (r, send) in enumerate(zip(rows, _tails(rows), strict=True)):
+        if any(s < 0 for s in send) or sum(send) != r[SIZE]:
             raise ValueError(
-                f"{op}: ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})"
+                f"{op}: rank {i} has `send_sizes`={send}, which must be {len(rows)} non-negative "
+                f"ints summing to x.shape[dim]={r[SIZE]}"
             )
-        if len({tuple(t) for t in tails}) > 1:
-            detail = ", ".join(f"rank {i}: {t}" for i, t in enumerate(tails))
+
+
+def _check_perm(op: str, rows: list[list[int]]) -> None:
+    # the tail holds every rank's destination, -1 for none: shown as (src, dst) pairs
+    pairs = lambda t: [(i, d) for i, d in enumerate(t) if d >= 0]  # noqa: E731
+    _same_tails(op, rows, "ranks disagree on `perm` ({detail})", show=pairs)
+
+
+def _check_gather_widths(op: str, rows: list[list[int]]) -> None:
+    _same_tails(
+        op, rows, "ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})", first=1
+    )
+    _same_tails(
+        op, rows, "ranks disagree on every rank's length along gather_dim {dim} ({detail}); when "
+        "x.shape[gather_dim] differs between ranks, pass the same `gather_sizes` on every rank",
+    )  # fmt: skip
+    expected = _tails(rows)[0]
+    for i, r in enumerate(rows):
+        if r[SIZE] != expected[i]:
             raise ValueError(
-                f"{op}: ranks disagree on every rank's length along gather_dim {gd} ({detail}); "
-                f"when x.shape[gather_dim] differs between ranks, pass the same `gather_sizes` on every rank"
+                f"{op}: rank {i} has x.shape[{r[DIM]}]={r[SIZE]}, but the ranks expect {expected[i]} "
+                f"there (`gather_sizes` or, without it, every rank's own length)"
             )
-        for i, r in enumerate(rows):
-            if r[SIZE] != tails[0][i]:
-                raise ValueError(
-                    f"{op}: rank {i} has x.shape[{gd}]={r[SIZE]}, but the ranks expect {tails[0][i]} "
-                    f"there (`gather_sizes` or, without it, every rank's own length)"
-                )
-    if opname == "reduce_scatter":
-        if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
-            disagree("x.shape[dim]", lambda r: r[SIZE], _describe)
-        if len({tuple(t) for t in tails}) > 1:
-            detail = ", ".join(f"rank {i}: {t}" for i, t in enumerate(tails))
-            raise ValueError(f"{op}: ranks disagree on `sizes` ({detail})")
-        disagree("x.shape[dim]", lambda r: r[SIZE], _describe)
-        if any(n < 0 for n in tails[0]) or sum(tails[0]) != rows[0][SIZE]:
-            raise ValueError(
-                f"{op}: `sizes`={tails[0]} must be {world} non-negative ints summing to "
-                f"x.shape[dim]={rows[0][SIZE]}"
-            )
+
+
+def _check_slice_sizes(op: str, rows: list[list[int]]) -> None:
+    if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
+        _disagree(op, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
+    _same_tails(op, rows, "ranks disagree on `sizes` ({detail})")
+    _disagree(op, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
+    sizes = _tails(rows)[0]
+    if any(n < 0 for n in sizes) or sum(sizes) != rows[0][SIZE]:
+        raise ValueError(
+            f"{op}: `sizes`={sizes} must be {len(rows)} non-negative ints summing to x.shape[dim]={rows[0][SIZE]}"
+        )
+
+
+@dataclass(frozen=True)
+class Header:
+    """What one op's header carries beyond the common columns, and how it is read and checked.
+
+    `args`: what ARG0 and ARG1 carry (None: nothing). `reads`: the host ints the
+    call gets back. `varying_dim`: what the dim whose length may differ between
+    ranks is called in errors. `checks`: what the op checks across ranks beyond
+    the common columns (its tail of per-rank sizes). `check_only`: an even op,
+    which exchanges a header only with ``funcoll.set_checks(True)``.
+    """
+
+    name: str
+    args: tuple[Arg | None, Arg | None] = (None, None)
+    reads: Reader = LENGTHS
+    varying_dim: str = "the ragged `dim`"
+    checks: tuple[Callable[[str, list[list[int]]], None], ...] = ()
+    check_only: bool = False
+
+
+# Every op that exchanges a header, ragged ops first. A row's OP column is the
+# position here, the same on every rank.
+_BY_CODE: tuple[Header, ...] = (
+    Header("gather", args=(DST, STRATEGY)),
+    Header("all_gather_ragged", args=(None, STRATEGY)),
+    Header("all_gather_list", args=(None, STRATEGY)),
+    Header("all_to_all_v", reads=SEND_RECV, checks=(_check_send_sizes,)),
+    Header(
+        "reduce_scatter",
+        args=(REDUCE_OP, Arg("sizes", lambda c: "given" if c else "None")),
+        reads=SLICE_SIZES,
+        checks=(_check_slice_sizes,),
+    ),
+    Header("gather_forward_split_backward", args=(None, STRATEGY)),
+    Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
+    Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
+    Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
+    Header(
+        "all_to_all",
+        args=(Arg("scatter_dim"), None),
+        reads=NDIM_ONLY,
+        varying_dim="`gather_dim`",
+        checks=(_check_gather_widths,),
+        check_only=True,
+    ),
+    Header("ppermute", reads=NDIM_ONLY, checks=(_check_perm,), check_only=True),
+    Header("broadcast", args=(Arg("src"), None), reads=NDIM_ONLY, check_only=True),
+    Header(
+        "split_forward_gather_backward",
+        args=(Arg("dim"), Arg("grad_scale", _named(GRAD_SCALES))),
+        reads=NDIM_ONLY,
+        check_only=True,
+    ),
+)
+HEADERS: dict[str, Header] = {h.name: h for h in _BY_CODE}
+CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}
 
 
 def check_agreement(
@@ -337,7 +384,7 @@ def check_agreement(
     # the runtime assert ties it to the trace so that no dead-code pass can drop the
     # check. A check-only op reads back x.dim(); the even reduce_scatter, whose
     # header is the ragged one's, its first slice size.
-    first = x.dim() if opname in CHECK_ONLY else next(iter(sizes or [0]))
+    first = x.dim() if HEADERS[opname].check_only else next(iter(sizes or [0]))
     torch._check(ints[0] == first)
 
 

@@ -14,12 +14,11 @@ primitive            backward (its adjoint)
 ``broadcast``        sum of the gradients onto ``src``, zeros elsewhere
 ``all_gather_v``     ``reduce_scatter_v`` of the gradient
 ``reduce_scatter_v`` ``all_gather_v`` of the gradient
-``pad_rows``         the gradient's first rows
-``pack_rows``        the gradient scattered back to the padded layout
 ===================  ==================================================
 
-``pad_rows`` and ``pack_rows`` move rows without communicating: one Triton
-kernel launch each in eager code on CUDA (``_kernels.py``), torch ops otherwise.
+``gather_rows`` and ``gather_pieces`` run a ragged all-gather with the strategy
+``_strategy.py`` chooses, from these primitives and the row moves of
+``_rows.py`` (pad before a padded all_gather, cut after it).
 
 All of them work on dim 0 of contiguous tensors; the public ops move the user's
 dim to the front and back. The forward of each runs with grad disabled, so only
@@ -30,19 +29,19 @@ a ctx: only the group name, size and rank, which are plain Python values.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ._checks import IntLike
+from ._rows import cut_padding, pad_rows
+from ._strategy import all_equal, common_rows, resolve, sym_max
+
 _F = torch.ops._c10d_functional
 
-IntLike = int | torch.SymInt
 # (min, max, sum) of a ragged gather's per-rank sizes; see gather_rows.
 Stats = tuple[IntLike, IntLike, IntLike]
 
@@ -193,74 +192,6 @@ def broadcast(x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
     return _Broadcast.apply(x, src, name, size, rank)
 
 
-# ------------------------------------------------------------- row moves (Triton on CUDA)
-def row_kernels(t: Tensor) -> ModuleType | None:
-    """``funcoll._kernels`` when eager code should move `t`'s rows with its Triton kernels.
-
-    On CUDA tensors, when triton imports, unless ``FUNCOLL_TRITON=0``.
-    ``FUNCOLL_TRITON=1`` takes CPU tensors too, under ``TRITON_INTERPRET=1``: how
-    the tests run the kernels on a machine without a GPU. A compiled graph keeps
-    the torch ops (inductor fuses them). The setting is read at every call.
-    """
-    mode = os.environ.get("FUNCOLL_TRITON", "auto")
-    if mode == "0" or torch.compiler.is_compiling() or not (t.is_cuda or mode == "1"):
-        return None
-    try:
-        from . import _kernels
-    except ImportError:  # no triton: the torch ops do the same
-        return None
-    return _kernels
-
-
-class _PadRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
-        ctx.n = x.shape[0]
-        return kernels.pad_rows(x, n_out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return grad.narrow(0, 0, ctx.n), None, None
-
-
-class _PackRows(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType
-    ) -> Tensor:
-        ctx.save_for_backward(sizes)
-        ctx.bound, ctx.kernels = bound, kernels
-        return kernels.pack_rows(blocks, sizes, bound, n_out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        (sizes,) = ctx.saved_tensors
-        return ctx.kernels.unpack_rows(grad, sizes, ctx.bound), None, None, None, None
-
-
-def pad_rows(x: Tensor, n_out: IntLike) -> Tensor:
-    """`x` followed by zero rows up to `n_out`: ``(n, *R) -> (n_out, *R)``; one launch on CUDA."""
-    kernels = row_kernels(x)
-    if kernels is not None:
-        return _PadRows.apply(x, n_out, kernels)
-    torch._check(n_out - x.shape[0] >= 0)
-    return torch.cat([x, x.new_zeros((n_out - x.shape[0], *x.shape[1:]))])
-
-
-def pack_rows(blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike) -> Tensor | None:
-    """Padded -> packed with the Triton kernel (one launch; its backward one more), or None.
-
-    Rank i's ``sizes[i]`` rows at ``i * bound`` of `blocks` go to the running sum of
-    the sizes before i; rows past ``sum(sizes)`` up to `n_out` are zero. None when
-    the kernels do not serve `blocks` (see :func:`row_kernels`): the caller then
-    does the same with torch ops.
-    """
-    kernels = row_kernels(blocks)
-    if kernels is None:
-        return None
-    return _PackRows.apply(blocks, sizes, bound, n_out, kernels)
-
-
 # ------------------------------------------------------------------ ragged gather/scatter
 def _all_gather_v_impl(
     x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
@@ -323,66 +254,11 @@ def _reduce_scatter_v_impl(
     return stacked.prod(0)
 
 
-# "auto" sends what does not fit the common all_gather with world - 1 shifted
-# all_to_all_singles: no copies, but a number of collectives, and so of latencies,
-# that grows with the world. Past this many ranks "auto" pads instead (one
-# all_gather). The number is a static choice (so every rank makes the same one),
-# set from this reasoning, not from a measurement: the machine funcoll is tested
-# on runs at most 4 ranks.
-AUTO_SHIFTS_MAX_WORLD = 8
-
-
-def _sym_min(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_min, sizes)
-
-
-def _sym_max(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_max, sizes)
-
-
-def _all_equal(sizes: Sequence[IntLike]) -> bool:
-    # Only ever True in eager mode, where sizes are ints; in a compiled graph they
-    # are unbacked SymInts and the general path runs. Either way the collectives
-    # issued are the same: only local copies are skipped.
-    return not torch.compiler.is_compiling() and len(set(sizes)) == 1
-
-
-def _unpad(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLike) -> Tensor:
-    """Rows ``[i * longest, i * longest + sizes[i])`` of `blocks` for every rank i, in order.
-
-    One index_select with an index computed on the device, rather than a narrow per
-    rank: the graph stays the same size whatever the world size, and no size of the
-    result depends on an expression over every rank's length but their sum. In
-    eager code on CUDA one Triton kernel does it instead (:func:`pack_rows`).
-    """
-    dev = blocks.device
-    if torch.compiler.is_compiling():
-        counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
-    else:
-        # Built on the host and copied without blocking: from pageable memory the copy
-        # is staged at once, and a plain `.to(dev)` would wait for the device.
-        counts = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
-    packed = pack_rows(blocks, counts, longest, total)  # CUDA eager: one Triton launch
-    if packed is not None:
-        return packed
-    ranks = torch.arange(len(sizes), device=dev)
-    owner = torch.repeat_interleave(ranks, counts, output_size=total)  # the rank of each result row
-    # row j of the result, from rank i, is row j - start_i of rank i's block at i * longest
-    shift = ranks * longest - (torch.cumsum(counts, 0) - counts)
-    index = torch.arange(total, device=dev) + shift[owner]
-    return blocks.index_select(0, index)
-
-
-def _resolve(strategy: str, size: int) -> str:
-    """The strategy that runs: "auto" pads past AUTO_SHIFTS_MAX_WORLD ranks."""
-    return "pad" if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD else strategy
-
-
 def _padded_blocks(
     x: Tensor, sizes: list[IntLike], stats: Stats | None, name: str, size: int
 ) -> tuple[Tensor, IntLike]:
     """All-gather `x` padded to ``max(sizes)`` rows: (the ``size * max`` rows, max)."""
-    longest = _sym_max(sizes) if stats is None else stats[1]
+    longest = sym_max(sizes) if stats is None else stats[1]
     return all_gather0(pad_rows(x, longest), name, size), longest
 
 
@@ -409,14 +285,14 @@ def gather_rows(
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
-    strategy = _resolve(strategy, size)
+    strategy = resolve(strategy, size)
     if strategy == "pad":
-        if _all_equal(sizes):  # nothing to pad and nothing to cut
+        if all_equal(sizes):  # nothing to pad and nothing to cut
             return all_gather0(x, name, size)
         blocks, longest = _padded_blocks(x, sizes, stats, name, size)
         total = sum(sizes) if stats is None else stats[2]
-        return _unpad(blocks, sizes, longest, total)
-    common = 0 if strategy == "a2a" else (_sym_min(sizes) if stats is None else stats[0])
+        return cut_padding(blocks, sizes, longest, total)
+    common = common_rows(strategy, sizes, None if stats is None else stats[0])
     for n in sizes:
         torch._check(n - common >= 0)
     return all_gather_v(x, sizes, common, name, size, rank, stats)
@@ -438,7 +314,7 @@ def gather_pieces(
     the ranks before it: those sums make a trace quadratic in the world size.
     """
     sizes = list(sizes)
-    if _resolve(strategy, size) != "pad" or _all_equal(sizes):
+    if resolve(strategy, size) != "pad" or all_equal(sizes):
         return list(torch.split(gather_rows(x, sizes, strategy, name, size, rank, stats), sizes))
     torch._check(x.shape[0] == sizes[rank])
     blocks, longest = _padded_blocks(x, sizes, stats, name, size)

@@ -10,7 +10,6 @@ sit at ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. funcoll exchanges
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -19,22 +18,20 @@ from torch import Tensor
 from . import _prims
 from ._checks import (
     REDUCE_OPS,
-    STRATEGIES,
+    IntLike,
     check_dim,
     check_rank,
-    check_tensor,
+    check_sizes,
+    check_total,
     fresh,
     local_input,
-    unwire,
-    wire,
-    wire_op,
 )
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, exchange, host_ints, split_stats
+from ._strategy import STRATEGIES
+from ._wire import unwire, wire, wire_op
 
-__all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "mark_ragged"]
-
-IntLike = _prims.IntLike
+__all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather"]
 
 
 def _check_strategy(op: str, strategy: object) -> int:
@@ -222,36 +219,20 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
 
 
 def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
-    """`sizes` as world host ints; from a tensor they are unbacked SymInts in a compiled graph."""
-    if isinstance(sizes, Tensor):
-        if sizes.dim() != 1 or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
-            raise ValueError(
-                f"{op}: `{name}` must be a 1-d integer tensor, got {sizes.dtype} {tuple(sizes.shape)}"
-            )
-        if sizes.shape[0] != world:
-            raise ValueError(
-                f"{op}: `{name}` has {sizes.shape[0]} entries; it must have {world}, one per rank"
-            )
-        values = host_ints(sizes)  # a device-to-host sync for a device tensor: the sizes shape the output
-        if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
-            return values
-        sizes = values
-    elif not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"{op}: `{name}` must be a list of ints or an int tensor, got {type(sizes).__name__}")
-    if len(sizes) != world or any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
-        raise ValueError(f"{op}: `{name}`={list(sizes)!r} must be {world} ints, one per rank")
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"{op}: `{name}`={list(sizes)!r} has a negative size")
-    return list(sizes)
+    """`sizes` (checked by ``check_sizes``) as world host ints; from a tensor, unbacked SymInts in a graph."""
+    sizes = check_sizes(op, name, sizes, world)
+    if not isinstance(sizes, Tensor):
+        return sizes
+    values = host_ints(
+        sizes.reshape(-1)
+    )  # a device-to-host sync for a device tensor: the sizes shape the output
+    if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
+        return values
+    return check_sizes(op, name, values, world)  # the values: a negative one is a ValueError
 
 
-def _check_total(op: str, name: str, sizes: Sequence[IntLike], x: Tensor, dim: int) -> None:
-    """`sizes` must add up to ``x.shape[dim]``: a ValueError now, or a runtime assert in a graph."""
-    total = sum(sizes)
-    if torch.compiler.is_compiling():  # sizes may be unbacked SymInts, x.shape[dim] a SymInt
-        torch._check(total == x.shape[dim])
-    elif total != x.shape[dim]:
-        raise ValueError(f"{op}: `{name}`={list(sizes)} sums to {total}, but x.shape[{dim}]={x.shape[dim]}")
+def _check_total(op: str, name: str, sizes: list[IntLike], x: Tensor, dim: int) -> None:
+    check_total(op, name, sizes, x.shape[dim], f"x.shape[{dim}]")
 
 
 def reduce_scatter_v(
@@ -265,11 +246,7 @@ def reduce_scatter_v(
     if isinstance(sizes, Tensor) and sizes.device.type != "cpu":
         # Kept on its device: the header exchange carries it, and the one sync of the
         # call (reading the gathered header) checks it, on every rank.
-        if sizes.shape != (g.size,) or sizes.dtype.is_floating_point or sizes.dtype.is_complex:
-            raise ValueError(
-                f"{op}: `sizes` must be an int tensor of shape ({g.size},), got {sizes.dtype} {tuple(sizes.shape)}"
-            )
-        given, sizes_t = None, sizes
+        given, sizes_t = None, check_sizes(op, "sizes", sizes, g.size)
     else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
         given = _host_sizes(op, "sizes", sizes, g.size)
         _check_total(op, "sizes", given, x, dim)
@@ -335,12 +312,7 @@ def all_to_all_v(
     xm = wire(x).movedim(d, 0)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):
-            if send_sizes.shape != (g.size,) or send_sizes.dtype.is_floating_point:
-                raise ValueError(
-                    f"{op}: `send_sizes` must be an int tensor of shape ({g.size},), got "
-                    f"{send_sizes.dtype} {tuple(send_sizes.shape)}"
-                )
-            send_t = send_sizes
+            send_t = check_sizes(op, "send_sizes", send_sizes, g.size)
         else:
             sz = _host_sizes(op, "send_sizes", send_sizes, g.size)
             _check_total(op, "send_sizes", sz, x, d)
@@ -374,85 +346,8 @@ def _host_sizes_pair(
     op: str, send: Sequence[int] | Tensor, recv: Sequence[int] | Tensor, world: int
 ) -> list[int]:
     if isinstance(send, Tensor) and isinstance(recv, Tensor):
-        if send.shape != (world,) or recv.shape != (world,):
-            raise ValueError(
-                f"{op}: `send_sizes` and `recv_sizes` must have shape ({world},), got "
-                f"{tuple(send.shape)} and {tuple(recv.shape)}"
-            )
+        check_sizes(op, "send_sizes", send, world)
+        check_sizes(op, "recv_sizes", recv, world)
         both = torch.cat([send.reshape(-1), recv.to(send.device).reshape(-1)])
         return _host_sizes(op, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
     return _host_sizes(op, "send_sizes", send, world) + _host_sizes(op, "recv_sizes", recv, world)
-
-
-def _mark_unbacked_takes_min() -> bool:
-    return "min" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
-
-
-def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
-    """Mark `dim` of `x` as a size that changes from call to call, before a compiled step.
-
-    A thin wrapper over ``torch._dynamo.decorators.mark_unbacked``: the compiled graph
-    treats ``x.shape[dim]`` as an unbacked symbol, so it never specializes on it (not
-    even on 0 or 1) and one graph serves every length. Call it on the input outside
-    the compiled function; inside one, and in eager code, it does nothing. Returns
-    `x` (marked), so it can wrap an argument in place: pass on what it returns.
-
-    An empty `x` comes back as a view with the strides of its shape, unclamped:
-    torch gives an empty ``(2, 0)`` tensor strides ``(1, 1)``, not ``(0, 1)``, and a
-    graph traced with ``stride(0) == size(1)`` would be compiled again for every
-    new local length of 0 on a dim that is not the outermost. The view holds no
-    elements, so only its strides differ, and gradients reach `x`. One case stays
-    dynamo's own: if the *first* call has length 0 there, dynamo cannot tie the
-    stride to the unbacked size and traces it static, so the next non-empty call
-    compiles a second graph, which then serves every length.
-
-    `min_size` tells the compiler the length is never below it. Code after the
-    op that branches on an empty length, as ``scaled_dot_product_attention``
-    does, cannot trace an unbacked size that may be 0 ("Could not guard on
-    data-dependent expression Eq(u0, 0)"); ``min_size=1`` makes that branch
-    static, and each call checks the bound at run time. It needs a torch whose
-    ``mark_unbacked`` takes ``min`` (2.13 does, 2.10 does not); anywhere,
-    ``torch._check(x.shape[dim] >= 1)`` at the top of the compiled function
-    says the same (docs/compile.md).
-
-    Args:
-        x: the input of a compiled step.
-        dim: the dim whose length changes from call to call.
-        min_size: the smallest length any call will have (0: none assumed).
-
-    Example::
-
-        step = torch.compile(step_fn, fullgraph=True)
-        for batch in loader:                 # the local length varies per step
-            step(funcoll.mark_ragged(batch, 0))
-        attn = torch.compile(sp_attention, fullgraph=True)     # calls scaled_dot_product_attention
-        attn(funcoll.mark_ragged(q, 2, min_size=1))             # no rank's sequence is empty
-    """
-    op = "funcoll.mark_ragged"
-    check_tensor(op, "x", x)
-    d = check_dim(op, x, dim)
-    if not isinstance(min_size, int) or isinstance(min_size, bool):
-        raise TypeError(f"{op}: `min_size` must be an int, got {type(min_size).__name__} {min_size!r}")
-    if min_size < 0:
-        raise ValueError(f"{op}: `min_size`={min_size} must be >= 0")
-    if torch.compiler.is_compiling():
-        return x
-    if x.shape[d] < min_size:
-        raise ValueError(f"{op}: x.shape[{d}]={x.shape[d]} is below `min_size`={min_size}")
-    bound: dict[str, int] = {}
-    if min_size > 0:
-        if not _mark_unbacked_takes_min():
-            raise NotImplementedError(
-                f"{op}: `min_size` needs torch._dynamo.mark_unbacked(min=...), which torch "
-                f"{torch.__version__} lacks; put torch._check(x.shape[{d}] >= {min_size}) at the top of "
-                f"the compiled function instead"
-            )
-        bound["min"] = min_size
-    if x.numel() == 0:
-        strides = [1] * x.dim()
-        for i in range(x.dim() - 2, -1, -1):
-            strides[i] = strides[i + 1] * x.shape[i + 1]
-        if tuple(strides) != x.stride():
-            x = x.as_strided(x.shape, strides)
-    torch._dynamo.decorators.mark_unbacked(x, d, **bound)
-    return x

@@ -18,14 +18,14 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, fresh, local_input, tensor_split_sizes, unwire, wire
+from ._checks import IntLike, check_dim, fresh, local_input, tensor_split_sizes
 from ._group import Group, GroupLike, resolve_group
 from ._header import GRAD_SCALES, check_agreement, exchange, split_stats
+from ._wire import unwire, wire
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 
 GradScale = Literal["up", "down"] | float | None
-IntLike = _prims.IntLike
 
 
 def _check_grad_scale(op: str, grad_scale: object) -> str | None:

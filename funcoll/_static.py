@@ -19,17 +19,14 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, local_input, unwire, wire
+from ._checks import check_dim, check_sizes, local_input
 from ._group import Group, GroupLike, resolve_group
 from ._header import _dtype_code, _shape_columns
+from ._rows import pack
+from ._spec import spec
+from ._wire import unwire, wire
 
 __all__ = ["all_to_all_padded", "gather_padded"]
-
-# What bounds each op's row counts, for its error messages.
-_LIMIT = {
-    "funcoll.gather_padded": "x.shape[dim]",
-    "funcoll.all_to_all_padded": "x.shape[dim] // world",
-}
 
 
 def _counts_tensor(
@@ -42,28 +39,13 @@ def _counts_tensor(
     of them when `per_rank`, else one. A tensor's range is checked on the device,
     after the header exchange; ints are range-checked here, before any communication.
     """
-    if isinstance(value, Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{op}: `{name}` must be an integer tensor or an int, got a {value.dtype} tensor")
-        if value.numel() != count:
-            raise ValueError(
-                f"{op}: `{name}` must hold {count} value(s), got a tensor of shape {tuple(value.shape)}"
-            )
+    checked = check_sizes(
+        op, name, value, count if per_rank else None, bound=bound, bound_text=spec(op).limit
+    )
+    if isinstance(checked, Tensor):
         # From another device (a CPU tensor for a CUDA x) the copy is queued, not waited for.
-        return value.reshape(count).to(device=device, dtype=torch.int64, non_blocking=True)
-    if per_rank and not isinstance(value, (list, tuple)):
-        raise TypeError(
-            f"{op}: `{name}` must be an integer tensor or a list of ints, got {type(value).__name__}"
-        )
-    ints = list(value) if per_rank else [value]  # type: ignore[call-overload]
-    if len(ints) != count:
-        raise ValueError(f"{op}: `{name}` must hold {count} values (one per rank), got {len(ints)}")
-    for i, n in enumerate(ints):
-        where = f"`{name}`[{i}]" if per_rank else f"`{name}`"
-        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
-            raise TypeError(f"{op}: {where} must be an integer tensor or an int, got {type(n).__name__}")
-        if isinstance(n, int) and isinstance(bound, int) and not 0 <= n <= bound:
-            raise ValueError(f"{op}: {where}={n} is outside [0, {bound}] = [0, {_LIMIT[op]}]")
+        return checked.reshape(count).to(device=device, dtype=torch.int64, non_blocking=True)
+    ints = checked
     if not per_rank:
         return torch.full((1,), ints[0], dtype=torch.int64, device=device)  # a fill: no copy from the host
     if torch.compiler.is_compiling():
@@ -107,35 +89,10 @@ def _exchange(op: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.Sym
     agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
     torch._assert_async(
         agree,
-        f"{op}: every rank's row counts must lie in [0, {_LIMIT[op]}], and every rank's x must have the "
+        f"{op}: every rank's row counts must lie in [0, {spec(op).limit}], and every rank's x must have the "
         f"same shape and dtype (this rank: {x.dtype}, {x.dim()}-d, dim={d})",
     )
     return table
-
-
-def _pack(blocks: Tensor, sizes: Tensor, bound: int | torch.SymInt) -> Tensor:
-    """Move the valid rows of `blocks` (rank i's at ``[i * bound, i * bound + sizes[i])``) to the front.
-
-    Output row k comes from the rank whose rows cover k in the packed order
-    (``searchsorted`` over the running sum of `sizes`); rows past ``sum(sizes)``
-    are zero. One index_select and a masked fill, so autograd's backward is the
-    inverse: the gradient's rows scattered back to the blocks, zeros on padding.
-    Static shapes throughout; inductor fuses it into one kernel. In eager code on
-    CUDA one Triton kernel does it (and one more its backward): ``_prims.pack_rows``.
-    """
-    packed = _prims.pack_rows(blocks, sizes, bound, blocks.shape[0])  # CUDA eager: one Triton launch
-    if packed is not None:
-        return packed
-    ends = torch.cumsum(sizes, 0)
-    starts = ends - sizes
-    k = torch.arange(blocks.shape[0], device=blocks.device)
-    owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
-    valid = k < ends[-1]
-    src = torch.where(valid, owner * bound + (k - starts[owner]), 0)
-    rows = blocks.index_select(0, src)
-    # In place on the fresh rows (index_select's backward needs only the index): one
-    # pass fewer over the result than a where.
-    return rows.masked_fill_(~valid.view(-1, *([1] * (blocks.dim() - 1))), 0)
 
 
 def gather_padded(
@@ -188,7 +145,7 @@ def gather_padded(
         # rank 0: x = [[1], [2], [0]], length = 2   rank 1: x = [[5], [9], [9]], length = 1
         y, sizes = gather_padded(x, length)
         # both: y = [[1], [2], [5], [0], [0], [0]], sizes = [2, 1]
-        # y[: sizes.sum()] is gather's result; rank 1's padding rows [9], [9] never show
+        y[: sizes.sum()]   # both: [[1], [2], [5]]   (gather's result; rank 1's padding rows never show)
     """
     op = "funcoll.gather_padded"
     x, group = local_input(op, x, group)
@@ -199,7 +156,7 @@ def gather_padded(
     sizes = _exchange(op, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
     blocks = xm if g.is_single else _prims.all_gather0(xm, g.name, g.size)
-    y = unwire(_pack(blocks, sizes, bound), x.dtype)
+    y = unwire(pack(blocks, sizes, bound, blocks.shape[0]), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
@@ -273,5 +230,5 @@ def all_to_all_padded(
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
     xm = wire(x).movedim(d, 0)
     blocks = xm if g.is_single else _prims.all_to_all_rows(xm, [cap] * g.size, [cap] * g.size, g.name)
-    y = unwire(_pack(blocks, recv_sizes, cap), x.dtype)
+    y = unwire(pack(blocks, recv_sizes, cap, blocks.shape[0]), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()

@@ -194,7 +194,7 @@ X = torch.zeros(2, 6, 3)
         (lambda: funcoll.all_to_all(X, None, 1, 2, scatter_sizes=[5]), ValueError, "`scatter_sizes`=[5]"),
         (lambda: funcoll.all_to_all(X, None, 1, 2, scatter_sizes=[-1]), ValueError, "negative"),
         (lambda: funcoll.all_to_all(X, None, 1, 2, scatter_sizes=6), TypeError, "`scatter_sizes`"),
-        (lambda: funcoll.all_to_all(X, None, 1, 2, gather_sizes=[3.0]), ValueError, "`gather_sizes`"),
+        (lambda: funcoll.all_to_all(X, None, 1, 2, gather_sizes=[3.0]), TypeError, "`gather_sizes`[0]"),
     ],
     ids=["split-neg", "split-world0", "split-float", "gather-sum", "gather-len", "scatter-sum", "scatter-neg",
          "scatter-int", "gather-float"],

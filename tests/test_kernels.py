@@ -26,6 +26,7 @@ from _inputs import seeded
 from torch import Tensor
 
 import funcoll
+from funcoll._rows import pack_reference
 from funcoll.testing import run_ranks
 
 pytest.importorskip("triton")
@@ -157,6 +158,29 @@ def test_kernels_match_row_by_row_references(case: tuple, unit_results: dict[str
     for name, ref in want.items():
         assert got[name].dtype == dtype and got[name].shape == ref.shape, (name, got[name].shape, ref.shape)
         assert torch.equal(got[name], ref), name
+    # the torch ops funcoll runs where the kernels do not: the same result, bit for bit
+    sz = torch.tensor(sizes)
+    assert torch.equal(got["pack_cut"], pack_reference(blocks, sz, bound, sum(sizes), exact=True))
+    assert torch.equal(got["pack_full"], pack_reference(blocks, sz, bound, blocks.shape[0]))
+
+
+@pytest.mark.parametrize("case", UNIT, ids=lambda c: c[0])
+def test_torch_pack_matches_row_by_row_references(case: tuple) -> None:
+    """``_rows.pack_reference``, the kernels' torch twin, against the row-by-row reference; its
+    autograd backward (the unpack) too, for the dtypes autograd takes."""
+    cid, dtype, _, sizes, _ = case
+    bound = max(sizes) + 1
+    blocks = unit_blocks(case, torch.device("cpu"))
+    sz = torch.tensor(sizes)
+    for n_out, exact in ((sum(sizes), True), (sum(sizes), False), (blocks.shape[0], False)):
+        got = pack_reference(blocks, sz, bound, n_out, exact=exact)
+        assert got.dtype == dtype and torch.equal(got, ref_pack(blocks, sizes, bound, n_out)), (n_out, exact)
+    if dtype.is_floating_point and blocks.numel():
+        leaf = blocks.detach().clone().requires_grad_()
+        packed = pack_reference(leaf, sz, bound, blocks.shape[0])
+        grad = seeded(packed.shape, F64, cid, "grad").to(dtype)
+        (back,) = torch.autograd.grad(packed, leaf, grad)
+        assert torch.equal(back, ref_unpack(grad, sizes, bound))
 
 
 # ------------------------------------------------------------- the ops that use them
@@ -184,7 +208,7 @@ def _weight(rank: int, shape: torch.Size) -> Tensor:
 
 
 def _run_ops(rank: int, world: int) -> dict[str, Any]:
-    from funcoll import _kernels, _prims
+    from funcoll import _kernels, _strategy
 
     calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0}
 
@@ -205,7 +229,7 @@ def _run_ops(rank: int, world: int) -> dict[str, Any]:
     (y * _weight(rank, y.shape)).sum().backward()
     out["gather-pad"] = (y.detach(), x.grad)
 
-    _prims.AUTO_SHIFTS_MAX_WORLD = 1  # "auto" pads from 2 ranks on
+    _strategy.AUTO_SHIFTS_MAX_WORLD = 1  # "auto" pads from 2 ranks on
     xt = _rows(rank, lengths[rank]).t().requires_grad_()  # ragged dim 1, non-contiguous
     yt, _ = funcoll.all_gather_ragged(xt, 1)
     (yt * _weight(rank, yt.shape)).sum().backward()

@@ -615,7 +615,7 @@ def many_ranks_ops(x: Tensor, dim: int) -> list[Tensor]:
 def many_ranks_body(rank: int, world: int) -> dict[int, Any]:
     # What "auto" does above 8 ranks (pad, cut by index, the list as views of the
     # padded blocks), here on 2-4 real ranks: lower the threshold in this process.
-    funcoll._prims.AUTO_SHIFTS_MAX_WORLD = 1
+    funcoll._strategy.AUTO_SHIFTS_MAX_WORLD = 1
     out = {}
     for dim in (0, -1):
         x = many_ranks_input(world, rank, dim).requires_grad_()

@@ -232,7 +232,7 @@ LOCALS: dict[str, Local] = {
         ["`send_sizes`", "shape"],
     ),
     "all_to_all_v-send-sizes-float-tensor": Local(
-        lambda w: _a2a(rows(0, w, 3), torch.ones(w)), "all_to_all_v", ["`send_sizes`", "int"]
+        lambda w: _a2a(rows(0, w, 3), torch.ones(w)), "all_to_all_v", ["`send_sizes`", "int"], "TypeError"
     ),
     "all_to_all_v-send-sizes-negative-list": Local(
         lambda w: _a2a(rows(0, w, 3), _negative(w, w)), "all_to_all_v", ["`send_sizes`", "negative"]

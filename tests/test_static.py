@@ -260,7 +260,7 @@ def test_all_to_all_padded_example_from_the_docstring() -> None:
 # (id, x rows, send_sizes, exception, message fragment), on 2 ranks (capacity 2 with 4 rows)
 A2A_BAD = [
     ("rows-not-divisible", 5, [1, 1], ValueError, "`x` has 5 rows along dim 0, which 2 ranks do not divide"),
-    ("one-size-for-two-ranks", 4, [1], ValueError, "`send_sizes` must hold 2 values (one per rank), got 1"),
+    ("one-size-for-two-ranks", 4, [1], ValueError, "`send_sizes`=[1] must be 2 ints, one per rank, got 1"),
     (
         "int-above-capacity",
         4,
@@ -269,7 +269,7 @@ A2A_BAD = [
         "`send_sizes`[1]=3 is outside [0, 2] = [0, x.shape[dim] // world]",
     ),
     ("negative-int", 4, [-1, 0], ValueError, "`send_sizes`[0]=-1 is outside [0, 2]"),
-    ("float-entry", 4, [1.0, 0], TypeError, "`send_sizes`[0] must be an integer tensor or an int, got float"),
+    ("float-entry", 4, [1.0, 0], TypeError, "`send_sizes`[0] must be an int, got float 1.0"),
     ("an-int", 4, 2, TypeError, "`send_sizes` must be an integer tensor or a list of ints, got int"),
     ("float-tensor", 4, torch.tensor([1.0, 0.0]), TypeError, "got a torch.float32 tensor"),
     (

@@ -1,0 +1,90 @@
+"""Helpers for compiled code that calls funcoll: marking the sizes that change from call to call.
+
+Not collectives: they tell ``torch.compile`` about the inputs of a compiled step
+so that one graph serves every ragged length (docs/compile.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from ._checks import check_dim, check_tensor
+
+__all__ = ["mark_ragged"]
+
+
+def _mark_unbacked_takes_min() -> bool:
+    return "min" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+
+
+def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
+    """Mark `dim` of `x` as a size that changes from call to call, before a compiled step.
+
+    A thin wrapper over ``torch._dynamo.decorators.mark_unbacked``: the compiled graph
+    treats ``x.shape[dim]`` as an unbacked symbol, so it never specializes on it (not
+    even on 0 or 1) and one graph serves every length. Call it on the input outside
+    the compiled function; inside one, and in eager code, it does nothing. Returns
+    `x` (marked), so it can wrap an argument in place: pass on what it returns.
+
+    An empty `x` comes back as a view with the strides of its shape, unclamped:
+    torch gives an empty ``(2, 0)`` tensor strides ``(1, 1)``, not ``(0, 1)``, and a
+    graph traced with ``stride(0) == size(1)`` would be compiled again for every
+    new local length of 0 on a dim that is not the outermost. The view holds no
+    elements, so only its strides differ, and gradients reach `x`. One case stays
+    dynamo's own: if the *first* call has length 0 there, dynamo cannot tie the
+    stride to the unbacked size and traces it static, so the next non-empty call
+    compiles a second graph, which then serves every length.
+
+    `min_size` tells the compiler the length is never below it. Code after the
+    op that branches on an empty length, as ``scaled_dot_product_attention``
+    does, cannot trace an unbacked size that may be 0 ("Could not guard on
+    data-dependent expression Eq(u0, 0)"); ``min_size=1`` makes that branch
+    static, and each call checks the bound at run time. It needs a torch whose
+    ``mark_unbacked`` takes ``min`` (2.13 does, 2.10 does not); anywhere,
+    ``torch._check(x.shape[dim] >= 1)`` at the top of the compiled function
+    says the same (docs/compile.md).
+
+    Args:
+        x: the input of a compiled step.
+        dim: the dim whose length changes from call to call.
+        min_size: the smallest length any call will have (0: none assumed).
+
+    Example::
+
+        step = torch.compile(step_fn, fullgraph=True)
+        for batch in loader:                 # the local length varies per step
+            step(funcoll.mark_ragged(batch, 0))
+        attn = torch.compile(sp_attention, fullgraph=True)     # calls scaled_dot_product_attention
+        attn(funcoll.mark_ragged(q, 2, min_size=1))             # no rank's sequence is empty
+    """
+    op = "funcoll.mark_ragged"
+    check_tensor(op, "x", x)
+    d = check_dim(op, x, dim)
+    if not isinstance(min_size, int) or isinstance(min_size, bool):
+        raise TypeError(f"{op}: `min_size` must be an int, got {type(min_size).__name__} {min_size!r}")
+    if min_size < 0:
+        raise ValueError(f"{op}: `min_size`={min_size} must be >= 0")
+    if torch.compiler.is_compiling():
+        return x
+    if x.shape[d] < min_size:
+        raise ValueError(f"{op}: x.shape[{d}]={x.shape[d]} is below `min_size`={min_size}")
+    bound: dict[str, int] = {}
+    if min_size > 0:
+        if not _mark_unbacked_takes_min():
+            raise NotImplementedError(
+                f"{op}: `min_size` needs torch._dynamo.mark_unbacked(min=...), which torch "
+                f"{torch.__version__} lacks; put torch._check(x.shape[{d}] >= {min_size}) at the top of "
+                f"the compiled function instead"
+            )
+        bound["min"] = min_size
+    if x.numel() == 0:
+        strides = [1] * x.dim()
+        for i in range(x.dim() - 2, -1, -1):
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+        if tuple(strides) != x.stride():
+            x = x.as_strided(x.shape, strides)
+    torch._dynamo.decorators.mark_unbacked(x, d, **bound)
+    return x

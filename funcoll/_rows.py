@@ -1,0 +1,127 @@
+"""Row moves around a padded collective: pad before it, pack (cut the padding out) after it.
+
+A padded all_gather hands back ``world`` blocks of ``bound`` rows, of which rank
+i's first ``sizes[i]`` are data. Packing moves those rows to the front, in rank
+order; padding is the inverse on one rank's rows. Nothing here communicates.
+
+:func:`pack_reference` is the one torch implementation of the pack, and the
+oracle the Triton kernels are tested against. In eager code on CUDA (see
+:func:`row_kernels`) each move is one Triton kernel launch instead
+(``_kernels.py``), with the inverse move as its backward; a compiled graph keeps
+the torch ops, which inductor fuses.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import IntLike
+
+
+def row_kernels(t: Tensor) -> ModuleType | None:
+    """``funcoll._kernels`` when eager code should move `t`'s rows with its Triton kernels.
+
+    On CUDA tensors, when triton imports, unless ``FUNCOLL_TRITON=0``.
+    ``FUNCOLL_TRITON=1`` takes CPU tensors too, under ``TRITON_INTERPRET=1``: how
+    the tests run the kernels on a machine without a GPU. A compiled graph keeps
+    the torch ops (inductor fuses them). The setting is read at every call.
+    """
+    mode = os.environ.get("FUNCOLL_TRITON", "auto")
+    if mode == "0" or torch.compiler.is_compiling() or not (t.is_cuda or mode == "1"):
+        return None
+    try:
+        from . import _kernels  # triton is optional: imported only when the kernels would run
+    except ImportError:  # no triton: the torch ops do the same
+        return None
+    return _kernels
+
+
+class _PadRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
+        ctx.n = x.shape[0]
+        return kernels.pad_rows(x, n_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad.narrow(0, 0, ctx.n), None, None
+
+
+class _PackRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType
+    ) -> Tensor:
+        ctx.save_for_backward(sizes)
+        ctx.bound, ctx.kernels = bound, kernels
+        return kernels.pack_rows(blocks, sizes, bound, n_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (sizes,) = ctx.saved_tensors
+        return ctx.kernels.unpack_rows(grad, sizes, ctx.bound), None, None, None, None
+
+
+def pad_rows(x: Tensor, n_out: IntLike) -> Tensor:
+    """`x` followed by zero rows up to `n_out`: ``(n, *R) -> (n_out, *R)``; one launch on CUDA."""
+    kernels = row_kernels(x)
+    if kernels is not None:
+        return _PadRows.apply(x, n_out, kernels)
+    torch._check(n_out - x.shape[0] >= 0)
+    return torch.cat([x, x.new_zeros((n_out - x.shape[0], *x.shape[1:]))])
+
+
+def pack_reference(
+    blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False
+) -> Tensor:
+    """Rank i's ``sizes[i]`` rows at ``i * bound`` of `blocks`, packed in rank order, then zero rows to `n_out`.
+
+    Output row k comes from the rank whose rows cover k in the packed order
+    (``searchsorted`` over the running sum of `sizes`); rows past ``sum(sizes)``
+    are zero. One index_select (and a masked fill), with the index computed on
+    the device: the graph is the same size whatever the world size, and autograd's
+    backward is the inverse move (the gradient's rows scattered back to the
+    blocks, zeros on the padding). `exact` says ``n_out == sum(sizes)``: no row is
+    padding, so no fill.
+    """
+    ends = torch.cumsum(sizes, 0)
+    starts = ends - sizes
+    k = torch.arange(n_out, device=blocks.device)
+    owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
+    src = owner * bound + (k - starts[owner])
+    if exact:
+        return blocks.index_select(0, src)
+    valid = k < ends[-1]
+    rows = blocks.index_select(0, torch.where(valid, src, 0))
+    # In place on the fresh rows (index_select's backward needs only the index): one
+    # pass fewer over the result than a where.
+    return rows.masked_fill_(~valid.view(-1, *([1] * (blocks.dim() - 1))), 0)
+
+
+def pack(blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False) -> Tensor:
+    """:func:`pack_reference`, as one Triton launch (and one for its backward) in eager CUDA code."""
+    kernels = row_kernels(blocks)
+    if kernels is not None:
+        return _PackRows.apply(blocks, sizes, bound, n_out, kernels)
+    return pack_reference(blocks, sizes, bound, n_out, exact=exact)
+
+
+def cut_padding(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLike) -> Tensor:
+    """Rows ``[i * longest, i * longest + sizes[i])`` of `blocks` for every rank i, in order.
+
+    The sizes are host ints (SymInts in a compiled graph), whose sum is `total`:
+    they go to the device as a tensor and :func:`pack` does the rest.
+    """
+    dev = blocks.device
+    if torch.compiler.is_compiling():
+        counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    else:
+        # Built on the host and copied without blocking: from pageable memory the copy
+        # is staged at once, and a plain `.to(dev)` would wait for the device.
+        counts = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
+    return pack(blocks, counts, longest, total, exact=True)

@@ -1,0 +1,28 @@
+"""How tensors travel: the dtype on the wire and the reduction that runs there.
+
+Not every backend carries bool, so a bool tensor travels as its uint8 view, and a
+reduction over bools runs as the uint8 reduction that means the same (or is
+max, and is min). Every op wraps its data in :func:`wire` before a collective
+and takes it back with :func:`unwire`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def wire_op(op: str, dtype: torch.dtype) -> str:
+    """The reduction to run on the wire: bool travels as uint8, where or is max and and is min."""
+    if dtype == torch.bool:
+        return {"sum": "max", "product": "min"}.get(op, op)
+    return op
+
+
+def wire(x: Tensor) -> Tensor:
+    """The tensor as it travels: bool as uint8 (not every backend carries bool)."""
+    return x.view(torch.uint8) if x.dtype == torch.bool else x
+
+
+def unwire(y: Tensor, dtype: torch.dtype) -> Tensor:
+    return y.view(torch.bool) if dtype == torch.bool else y
