@@ -13,19 +13,14 @@ from pathlib import Path
 import funcoll
 import funcoll.compat
 import funcoll.testing
+from funcoll._spec import FAMILIES, SPECS
 
+# Every public op in the section its spec names (funcoll/_spec.py), then the submodules.
 SECTIONS = [
-    ("Even collectives", funcoll, ["all_gather", "all_gather_into_tensor", "reduce_scatter", "all_reduce",
-                                   "all_to_all", "ppermute", "broadcast", "axis_index", "axis_size",
-                                   "split_sizes"]),
-    ("Ragged collectives", funcoll, ["gather", "all_gather_list", "all_gather_ragged", "all_to_all_v",
-                                     "mark_ragged"]),
-    ("Static-shape ragged collectives", funcoll, ["gather_padded", "all_to_all_padded"]),
-    ("Region ops", funcoll, ["split_forward_gather_backward", "gather_forward_split_backward"]),
-    ("Checks", funcoll, ["set_checks", "checks_enabled"]),
+    *((family, funcoll, [s.name for s in SPECS if s.family == family]) for family in FAMILIES),
     ("funcoll.compat", funcoll.compat, funcoll.compat.__all__),
     ("funcoll.testing", funcoll.testing, ["run_ranks"]),
-]  # fmt: skip
+]
 
 
 def render() -> str:

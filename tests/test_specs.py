@@ -1,0 +1,67 @@
+"""Every public op is described once (``funcoll/_spec.py``), and everything its spec names exists.
+
+Adding an op means adding its spec; these tests fail when an op in
+``funcoll.__all__`` has no spec, or its spec names no docs entry, no compile test
+or no reference test that exists and mentions it, or a header that no op
+uses. docs/contributing.md walks through the steps these tests check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+import funcoll
+from funcoll._header import HEADERS
+from funcoll._spec import CASES, FAMILIES, SPECS, OpSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_OPS = {"Group", "GroupLike"}  # types, not ops
+PUBLIC = sorted(n for n in funcoll.__all__ if n not in NOT_OPS)
+
+
+def _case_ids() -> list[str]:
+    sys.path.insert(0, str(ROOT / "compile_tests"))
+    try:
+        return [c.id for c in importlib.import_module("_ops").CASES]
+    finally:
+        sys.path.pop(0)
+
+
+def test_every_public_op_has_exactly_one_spec() -> None:
+    names = [s.name for s in SPECS]
+    assert len(names) == len(set(names)), "an op with two specs"
+    assert sorted(names) == PUBLIC, (
+        f"public ops without a spec: {sorted(set(PUBLIC) - set(names))}; "
+        f"specs of no public op: {sorted(set(names) - set(PUBLIC))}"
+    )
+
+
+def test_every_header_belongs_to_an_op() -> None:
+    used = {s.header.name for s in SPECS if s.header is not None}
+    assert used == set(HEADERS), f"headers no spec uses: {sorted(set(HEADERS) - used)}"
+    for s in SPECS:
+        assert s.header is None or s.header.name == s.name, s.name
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_spec_names_a_docs_entry_a_compile_test_and_reference_tests(spec: OpSpec) -> None:
+    assert spec.family in FAMILIES, spec.family
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert f"### `funcoll.{spec.name}(" in api, (
+        f"{spec.name}: no entry in docs/api.md (python docs/build_api.py)"
+    )
+    if spec.compiled_in == CASES:
+        ids = [i for i in _case_ids() if i.startswith(spec.case_prefix + "-")]
+        assert ids, f"{spec.name}: no case in {CASES} whose id starts with {spec.case_prefix!r}"
+    elif spec.compiled_in is not None:
+        text = (ROOT / spec.compiled_in).read_text()
+        assert spec.name in text, f"{spec.name}: {spec.compiled_in} does not compile it"
+    assert spec.tests, f"{spec.name}: no reference test"
+    for module in spec.tests:
+        path = ROOT / module
+        assert path.is_file(), f"{spec.name}: {module} does not exist"
+        assert spec.name in path.read_text(), f"{spec.name}: {module} never mentions it"
