@@ -81,8 +81,8 @@ def all_gather(q: Tensor, ws: int, device: torch.device | str | None) -> list[Te
 
     Example (2 ranks)::
 
-        # rank 0: [1.5, 2.3]   rank 1: [5.3]
-        all_gather(q, 2, dev)   # both: [tensor([1.5, 2.3]), tensor([5.3])]
+        # rank 0: q = [1.5, 2.3]   rank 1: q = [5.3]
+        all_gather(q, 2, q.device)   # both: [tensor([1.5, 2.3]), tensor([5.3])]
     """
     world = resolve_group("funcoll.compat.all_gather", None).size
     if ws != world:
@@ -98,8 +98,8 @@ def all_gather_nd(tensor: Tensor) -> list[Tensor]:
 
     Example (2 ranks)::
 
-        # rank 0: shape (2, 3)   rank 1: shape (1, 3)
-        all_gather_nd(t)   # both: [rank 0's (2, 3), rank 1's (1, 3)]
+        # rank 0: t = [[1, 2, 3], [4, 5, 6]]   rank 1: t = [[7, 8, 9]]
+        all_gather_nd(t)   # both: [tensor([[1, 2, 3], [4, 5, 6]]), tensor([[7, 8, 9]])]
     """
     return _ragged.all_gather_list(tensor, 0)
 
@@ -145,8 +145,8 @@ def all_gather_into_tensor(
 
     Example (2 ranks)::
 
-        # rank r: inp = [r, r]; out = torch.empty(2, 2)
-        all_gather_into_tensor(out, inp)   # both: out == [[0, 0], [1, 1]]
+        # rank r: inp = [float(r), float(r)]; out = torch.empty(2, 2)
+        all_gather_into_tensor(out, inp)   # both: out == [[0., 0.], [1., 1.]]
     """
     op = "funcoll.compat.all_gather_into_tensor"
     g = resolve_group(op, group)
