@@ -89,7 +89,7 @@ def _all_gather(op: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> 
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
     # A 0-d x travels as one element (the backends want at least one dim).
     gathered = unwire(
-        _prims.all_gather0(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
+        _prims.all_gather_p(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
     )
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
@@ -183,7 +183,7 @@ def reduce_scatter(
         y = fresh(x)
     else:
         xm = wire(x).movedim(d, 0)
-        y = unwire(_prims.reduce_scatter0(xm, wire_op(rop, x.dtype), g.name, g.size), x.dtype).movedim(0, d)
+        y = unwire(_prims.reduce_scatter_p(xm, wire_op(rop, x.dtype), g.name, g.size), x.dtype).movedim(0, d)
         y = y.contiguous()
     return y.squeeze(d) if not tiled else y
 
@@ -221,7 +221,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(rop), 0))
     if g.is_single:
         return fresh(x)
-    return unwire(_prims.all_reduce(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
+    return unwire(_prims.all_reduce_p(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
 
 
 def split_sizes(total: int, world: int) -> list[int]:
@@ -339,7 +339,7 @@ def all_to_all(
     mine = pieces[g.rank]
     xm = wire(x).movedim(s, 0)  # (S, *R)
     if widths is None or _static_equal(widths):  # every rank's rows have one shape
-        z = _prims.all_to_all_rows(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
+        z = _prims.all_to_all_p(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
         z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
         return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
     # Rows differ in width between ranks: they travel flat, each piece as its elements.
@@ -347,7 +347,7 @@ def all_to_all(
     row = xm[0].numel() if xm.shape[0] > 0 else _prod(xm.shape[1:])
     rows_of = [[*xm.shape[1:gm], w, *xm.shape[gm + 1 :]] for w in widths]  # rank i's row shape
     recv = [mine * _prod(r) for r in rows_of]
-    got = _prims.all_to_all_rows(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
+    got = _prims.all_to_all_p(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
     blocks = [b.view(mine, *r) for b, r in zip(torch.split(got, recv), rows_of, strict=True)]
     return unwire(torch.cat(blocks, gm).movedim(0, s).contiguous(), x.dtype)
 
@@ -423,7 +423,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     send = [n if j == dst or (to_self and j == g.rank) else 0 for j in range(g.size)]
     recv = [n if i == src or (to_self and i == g.rank) else 0 for i in range(g.size)]
     payload = [flat] * ((dst is not None) + to_self)
-    got = _prims.all_to_all_rows(torch.cat(payload) if payload else flat[:0], recv, send, g.name)
+    got = _prims.all_to_all_p(torch.cat(payload) if payload else flat[:0], recv, send, g.name)
     if to_self:  # zeros, NaN-safe, and still tied to the incoming gradient in the backward
         got = got.masked_fill(torch.ones((), dtype=torch.bool, device=got.device), 0)
     return unwire(got.view(x.shape), x.dtype)
@@ -455,4 +455,4 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     check_agreement("broadcast", x, g, args=(src, 0))
     if g.is_single:
         return fresh(x)
-    return unwire(_prims.broadcast(wire(x), src, g.name, g.size, g.rank), x.dtype)
+    return unwire(_prims.broadcast_p(wire(x), src, g.name, g.size, g.rank), x.dtype)

@@ -101,7 +101,7 @@ def exchange(
         tail = sizes.to(device=x.device, dtype=torch.int64).reshape(-1)
         tail = torch.cat([tail, tail.new_zeros(TAIL * g.size - tail.shape[0])])
     header = torch.cat([header, tail])
-    table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
+    table = _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
     return table, host_ints(table, opname, g.rank)
 
 

@@ -17,7 +17,7 @@ nothing waits for the host.
 
 The kernels copy rows as raw words (8, 4, 2 or 1 bytes, the widest that divides a
 row), so every dtype takes the same path and zero bytes are zero in every dtype.
-They serve eager code on CUDA (``funcoll._prims.row_kernels`` says when); a compiled
+They serve eager code on CUDA (``funcoll._rows.row_kernels`` says when); a compiled
 graph keeps the torch ops, which inductor fuses into kernels of its own. On a machine without a GPU the
 tests run them on CPU tensors with ``TRITON_INTERPRET=1``, which must be set before
 this module is imported.

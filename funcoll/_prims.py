@@ -1,20 +1,24 @@
 """The differentiable primitives: each an autograd.Function around ``_c10d_functional`` ops.
 
-Every public op is a composition of differentiable aten ops (narrow, cat, movedim,
+Every public reduce_op is a composition of differentiable aten ops (narrow, cat, movedim,
 pad) and the primitives below, so its backward is assembled by autograd from the
 primitives' adjoints:
 
-===================  ==================================================
-primitive            backward (its adjoint)
-===================  ==================================================
-``all_gather0``      ``reduce_scatter0`` (sum) of the gradient
-``reduce_scatter0``  ``all_gather0`` of the gradient (sum; avg divides)
-``all_reduce``       ``all_reduce`` (sum) of the gradient (JAX ``psum``)
-``all_to_all_rows``  ``all_to_all_rows`` with send and receive splits swapped
-``broadcast``        sum of the gradients onto ``src``, zeros elsewhere
-``all_gather_v``     ``reduce_scatter_v`` of the gradient
-``reduce_scatter_v`` ``all_gather_v`` of the gradient
-===================  ==================================================
+======================  ==================================================
+primitive               backward (its adjoint)
+======================  ==================================================
+``all_gather_p``        ``reduce_scatter_p`` (sum) of the gradient
+``reduce_scatter_p``    ``all_gather_p`` of the gradient (sum; avg divides)
+``all_reduce_p``        ``all_reduce_p`` (sum) of the gradient (JAX ``psum``)
+``all_to_all_p``        ``all_to_all_p`` with send and receive splits swapped
+``broadcast_p``         sum of the gradients onto ``src``, zeros elsewhere
+``all_gather_v_p``      ``reduce_scatter_v_p`` of the gradient
+``reduce_scatter_v_p``  ``all_gather_v_p`` of the gradient
+======================  ==================================================
+
+Primitives end in ``_p`` (JAX's ``psum_p`` beside ``psum``), so that no name here
+is also a public op's. Their arguments: `group_name` the c10d group name, `world`
+the group's size, `rank` this process's rank in it, `reduce_op` the reduction.
 
 ``gather_rows`` and ``gather_pieces`` run a ragged all-gather with the strategy
 ``_strategy.py`` chooses, from these primitives and the row moves of
@@ -24,7 +28,7 @@ All of them work on dim 0 of contiguous tensors; the public ops move the user's
 dim to the front and back. The forward of each runs with grad disabled, so only
 funcoll's own backward is ever used, whatever autograd the installed torch
 registers on the ``_c10d_functional`` ops. Nothing here stores a ProcessGroup on
-a ctx: only the group name, size and rank, which are plain Python values.
+a ctx: only the group's name, world size and rank, which are plain Python values.
 """
 
 from __future__ import annotations
@@ -77,233 +81,235 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
     return [s + 0 if isinstance(s, torch.SymInt) else int(s) for s in sizes]
 
 
-# --------------------------------------------------------------------------- all_gather0
-def _all_gather0_impl(x: Tensor, name: str, size: int) -> Tensor:
-    return _wait(_F.all_gather_into_tensor(_payload(x), size, name))
+# --------------------------------------------------------------------------- all_gather_p
+def _all_gather_impl(x: Tensor, group_name: str, world: int) -> Tensor:
+    return _wait(_F.all_gather_into_tensor(_payload(x), world, group_name))
 
 
-class _AllGather0(torch.autograd.Function):
+class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, name: str, size: int) -> Tensor:
-        ctx.name, ctx.size = name, size
-        return _all_gather0_impl(x, name, size)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return reduce_scatter0(grad, "sum", ctx.name, ctx.size), None, None
-
-
-def all_gather0(x: Tensor, name: str, size: int) -> Tensor:
-    """Concatenate every rank's `x` along dim 0: ``(n, *R) -> (size * n, *R)``."""
-    return _AllGather0.apply(x, name, size)
-
-
-# ----------------------------------------------------------------------- reduce_scatter0
-def _avg_as_sum(op: str, size: int, run: Any) -> Tensor:
-    """Run a reducing collective; avg runs as sum / size (not every backend has avg)."""
-    y = _wait(run("sum" if op == "avg" else op))
-    return y / size if op == "avg" else y
-
-
-def _reduce_scatter0_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    return _avg_as_sum(op, size, lambda o: _F.reduce_scatter_tensor(_payload(x), o, size, name))
-
-
-class _ReduceScatter0(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, op: str, name: str, size: int) -> Tensor:
-        ctx.op, ctx.name, ctx.size = op, name, size
-        return _reduce_scatter0_impl(x, op, name, size)
+    def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
+        ctx.group_name, ctx.world = group_name, world
+        return _all_gather_impl(x, group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = all_gather0(grad, ctx.name, ctx.size)
-        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None
+        return reduce_scatter_p(grad, "sum", ctx.group_name, ctx.world), None, None
 
 
-def reduce_scatter0(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    """Reduce over ranks, keep this rank's 1/size of dim 0: ``(size * n, *R) -> (n, *R)``."""
-    return _ReduceScatter0.apply(x, op, name, size)
+def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
+    """Concatenate every rank's `x` along dim 0: ``(n, *R) -> (world * n, *R)``."""
+    return _AllGather.apply(x, group_name, world)
 
 
-def _scale_for_op(opname: str, op: str, g: Tensor, size: int) -> Tensor:
-    if op == "sum":
+# ----------------------------------------------------------------------- reduce_scatter_p
+def _avg_as_sum(reduce_op: str, world: int, run: Any) -> Tensor:
+    """Run a reducing collective; avg runs as sum / world (not every backend has avg)."""
+    y = _wait(run("sum" if reduce_op == "avg" else reduce_op))
+    return y / world if reduce_op == "avg" else y
+
+
+def _reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+    return _avg_as_sum(
+        reduce_op, world, lambda o: _F.reduce_scatter_tensor(_payload(x), o, world, group_name)
+    )
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+        ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
+        return _reduce_scatter_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = all_gather_p(grad, ctx.group_name, ctx.world)
+        return _scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world), None, None, None
+
+
+def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+    """Reduce over ranks, keep this rank's 1/world of dim 0: ``(world * n, *R) -> (n, *R)``."""
+    return _ReduceScatter.apply(x, reduce_op, group_name, world)
+
+
+def _scale_for_op(opname: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
+    if reduce_op == "sum":
         return g
-    if op == "avg":
-        return g / size
+    if reduce_op == "avg":
+        return g / world
     raise NotImplementedError(
-        f"funcoll.{opname}: no gradient for op={op!r}; only 'sum' and 'avg' are differentiable"
+        f"funcoll.{opname}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
     )
 
 
 # ---------------------------------------------------------------------------- all_reduce
-def _all_reduce_impl(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    return _avg_as_sum(op, size, lambda o: _F.all_reduce(_payload(x), o, name))
+def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+    return _avg_as_sum(reduce_op, world, lambda o: _F.all_reduce(_payload(x), o, group_name))
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, op: str, name: str, size: int) -> Tensor:
-        ctx.op, ctx.name, ctx.size = op, name, size
-        return _all_reduce_impl(x, op, name, size)
+    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+        ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
+        return _all_reduce_impl(x, reduce_op, group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = all_reduce(grad, "sum", ctx.name, ctx.size)
-        return _scale_for_op("all_reduce", ctx.op, g, ctx.size), None, None, None
+        g = all_reduce_p(grad, "sum", ctx.group_name, ctx.world)
+        return _scale_for_op("all_reduce", ctx.reduce_op, g, ctx.world), None, None, None
 
 
-def all_reduce(x: Tensor, op: str, name: str, size: int) -> Tensor:
-    return _AllReduce.apply(x, op, name, size)
+def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+    return _AllReduce.apply(x, reduce_op, group_name, world)
 
 
-# ----------------------------------------------------------------------- all_to_all_rows
-class _AllToAllRows(torch.autograd.Function):
+# ----------------------------------------------------------------------- all_to_all_p
+class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], name: str) -> Tensor:
-        ctx.recv, ctx.send, ctx.name = _ctx_ints(recv), _ctx_ints(send), name
-        return _wait(_F.all_to_all_single(_payload(x), recv, send, name))
+    def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
+        ctx.recv, ctx.send, ctx.group_name = _ctx_ints(recv), _ctx_ints(send), group_name
+        return _wait(_F.all_to_all_single(_payload(x), recv, send, group_name))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return all_to_all_rows(grad, ctx.send, ctx.recv, ctx.name), None, None, None
+        return all_to_all_p(grad, ctx.send, ctx.recv, ctx.group_name), None, None, None
 
 
-def all_to_all_rows(x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], name: str) -> Tensor:
+def all_to_all_p(x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], group_name: str) -> Tensor:
     """Send ``send[j]`` rows of `x` (in order) to rank j; receive ``recv[i]`` rows from rank i."""
-    return _AllToAllRows.apply(x, list(recv), list(send), name)
+    return _AllToAll.apply(x, list(recv), list(send), group_name)
 
 
 # ----------------------------------------------------------------------------- broadcast
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
-        ctx.src, ctx.name, ctx.size, ctx.rank = src, name, size, rank
-        return _wait(_F.broadcast(_payload(x), src, name))
+    def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
+        ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
+        return _wait(_F.broadcast(_payload(x), src, group_name))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        total = all_reduce(grad, "sum", ctx.name, ctx.size)
+        total = all_reduce_p(grad, "sum", ctx.group_name, ctx.world)
         g = total if ctx.rank == ctx.src else torch.zeros_like(total)
         return g, None, None, None, None
 
 
-def broadcast(x: Tensor, src: int, name: str, size: int, rank: int) -> Tensor:
-    return _Broadcast.apply(x, src, name, size, rank)
+def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
+    return _Broadcast.apply(x, src, group_name, world, rank)
 
 
 # ------------------------------------------------------------------ ragged gather/scatter
 def _all_gather_v_impl(
-    x: Tensor, sizes: list[IntLike], common: IntLike, name: str, size: int, rank: int
+    x: Tensor, sizes: list[IntLike], common: IntLike, group_name: str, world: int, rank: int
 ) -> Tensor:
     """Ragged all-gather along dim 0 without padding.
 
     The first `common` rows of every rank (``common <= min(sizes)``) travel in one
-    all_gather; the rest of each rank's rows in ``size - 1`` all_to_all_singles,
+    all_gather; the rest of each rank's rows in ``world - 1`` all_to_all_singles,
     the k-th of which sends them to rank ``rank + k`` (a shift by k). Each shift's
     input is the rows themselves, so nothing is copied to be sent: one
     all_to_all_single sending the rows to every rank at once would need them
-    repeated ``size - 1`` times in its input. Every rank issues the same
+    repeated ``world - 1`` times in its input. Every rank issues the same
     collectives whatever the sizes, and each one's input is this rank's own rows,
     so no compiler pass can treat a collective as independent of the data on some
     ranks and move it (the min-cut partitioner hoists tangent-independent nodes of
     a backward into the forward, which would reorder one rank's collectives
     against another's).
     """
-    block = _wait(_F.all_gather_into_tensor(_payload(x.narrow(0, 0, common)), size, name))
+    block = _wait(_F.all_gather_into_tensor(_payload(x.narrow(0, 0, common)), world, group_name))
     extras = [n - common for n in sizes]
     mine = x.narrow(0, common, extras[rank]).contiguous()
     received: dict[int, Tensor] = {}
-    for k in range(1, size):
-        to, frm = (rank + k) % size, (rank - k) % size
-        # `[0] * size` then one store: dynamo traces that in O(1) bytecode steps, a
-        # comprehension in O(size), which is O(size**2) over the shifts.
-        send = [0] * size
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        # `[0] * world` then one store: dynamo traces that in O(1) bytecode steps, a
+        # comprehension in O(world), which is O(world**2) over the shifts.
+        send = [0] * world
         send[to] = extras[rank]
-        recv = [0] * size
+        recv = [0] * world
         recv[frm] = extras[frm]
-        received[frm] = _wait(_F.all_to_all_single(_payload(mine), recv, send, name))
+        received[frm] = _wait(_F.all_to_all_single(_payload(mine), recv, send, group_name))
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
     pieces = []
-    for i in range(size):
+    for i in range(world):
         pieces.append(block.narrow(0, i * common, common))
         pieces.append(mine if i == rank else received[i])
     return torch.cat(pieces, 0)
 
 
 def _reduce_scatter_v_impl(
-    x: Tensor, sizes: list[IntLike], op: str, name: str, size: int, rank: int
+    x: Tensor, sizes: list[IntLike], reduce_op: str, group_name: str, world: int, rank: int
 ) -> Tensor:
     """Ragged reduce-scatter along dim 0: rank i gets the reduction of rows [off_i, off_i + sizes[i]).
 
     One all_to_all_single moves exactly those rows to their owner (no padding), who
-    reduces the `size` pieces locally.
+    reduces the `world` pieces locally.
     """
     mine = sizes[rank]
-    got = _wait(_F.all_to_all_single(_payload(x), [mine] * size, list(sizes), name))
-    stacked = got.view(size, mine, *x.shape[1:])
-    if op == "sum":
+    got = _wait(_F.all_to_all_single(_payload(x), [mine] * world, list(sizes), group_name))
+    stacked = got.view(world, mine, *x.shape[1:])
+    if reduce_op == "sum":
         return stacked.sum(0)
-    if op == "avg":
-        return stacked.sum(0) / size
-    if op == "max":
+    if reduce_op == "avg":
+        return stacked.sum(0) / world
+    if reduce_op == "max":
         return stacked.amax(0)
-    if op == "min":
+    if reduce_op == "min":
         return stacked.amin(0)
     return stacked.prod(0)
 
 
 def _padded_blocks(
-    x: Tensor, sizes: list[IntLike], stats: Stats | None, name: str, size: int
+    x: Tensor, sizes: list[IntLike], stats: Stats | None, group_name: str, world: int
 ) -> tuple[Tensor, IntLike]:
-    """All-gather `x` padded to ``max(sizes)`` rows: (the ``size * max`` rows, max)."""
+    """All-gather `x` padded to ``max(sizes)`` rows: (the ``world * max`` rows, max)."""
     longest = sym_max(sizes) if stats is None else stats[1]
-    return all_gather0(pad_rows(x, longest), name, size), longest
+    return all_gather_p(pad_rows(x, longest), group_name, world), longest
 
 
 def gather_rows(
     x: Tensor,
     sizes: Sequence[IntLike],
     strategy: str,
-    name: str,
-    size: int,
+    group_name: str,
+    world: int,
     rank: int,
     stats: Stats | None = None,
 ) -> Tensor:
     """Ragged all-gather of dim 0 (``sizes[rank]`` rows here) with a strategy of funcoll.gather.
 
-    ``"pad"``: pad to ``max(sizes)``, all_gather0, cut (differentiable through
-    all_gather0's adjoint and the pad/cut). ``"auto"``/``"a2a"``: all_gather_v with
+    ``"pad"``: pad to ``max(sizes)``, all_gather_p, cut (differentiable through
+    all_gather_p's adjoint and the pad/cut). ``"auto"``/``"a2a"``: all_gather_v_p with
     the common prefix ``min(sizes)`` (or 0) in the all_gather.
 
     `stats` is ``(min(sizes), max(sizes), sum(sizes))`` when the caller has them
-    (the size exchange reads them off the header table with the sizes): in a
+    (the world exchange reads them off the header table with the sizes): in a
     compiled graph they are then three plain symbols rather than expressions over
     every rank's length, whose tracing and partitioning cost grows faster than
-    the world size.
+    the world world.
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
-    strategy = resolve(strategy, size)
+    strategy = resolve(strategy, world)
     if strategy == "pad":
         if all_equal(sizes):  # nothing to pad and nothing to cut
-            return all_gather0(x, name, size)
-        blocks, longest = _padded_blocks(x, sizes, stats, name, size)
+            return all_gather_p(x, group_name, world)
+        blocks, longest = _padded_blocks(x, sizes, stats, group_name, world)
         total = sum(sizes) if stats is None else stats[2]
         return cut_padding(blocks, sizes, longest, total)
     common = common_rows(strategy, sizes, None if stats is None else stats[0])
     for n in sizes:
         torch._check(n - common >= 0)
-    return all_gather_v(x, sizes, common, name, size, rank, stats)
+    return all_gather_v_p(x, sizes, common, group_name, world, rank, stats)
 
 
 def gather_pieces(
     x: Tensor,
     sizes: Sequence[IntLike],
     strategy: str,
-    name: str,
-    size: int,
+    group_name: str,
+    world: int,
     rank: int,
     stats: Stats | None = None,
 ) -> list[Tensor]:
@@ -311,13 +317,13 @@ def gather_pieces(
 
     The padded layout hands out each rank's block of the all_gather as it is
     (rank i's rows start at ``i * max(sizes)``), so no piece's offset is a sum over
-    the ranks before it: those sums make a trace quadratic in the world size.
+    the ranks before it: those sums make a trace quadratic in the world world.
     """
     sizes = list(sizes)
-    if resolve(strategy, size) != "pad" or all_equal(sizes):
-        return list(torch.split(gather_rows(x, sizes, strategy, name, size, rank, stats), sizes))
+    if resolve(strategy, world) != "pad" or all_equal(sizes):
+        return list(torch.split(gather_rows(x, sizes, strategy, group_name, world, rank, stats), sizes))
     torch._check(x.shape[0] == sizes[rank])
-    blocks, longest = _padded_blocks(x, sizes, stats, name, size)
+    blocks, longest = _padded_blocks(x, sizes, stats, group_name, world)
     for n in sizes:
         torch._check(longest - n >= 0)
     return [blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
@@ -330,18 +336,18 @@ class _AllGatherV(torch.autograd.Function):
         x: Tensor,
         sizes: list[IntLike],
         common: IntLike,
-        name: str,
-        size: int,
+        group_name: str,
+        world: int,
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        ctx.sizes, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), name, size, rank
+        ctx.sizes, ctx.group_name, ctx.world, ctx.rank = _ctx_ints(sizes), group_name, world, rank
         ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
-        return _all_gather_v_impl(x, sizes, common, name, size, rank)
+        return _all_gather_v_impl(x, sizes, common, group_name, world, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = reduce_scatter_v(grad, ctx.sizes, "sum", ctx.name, ctx.size, ctx.rank, ctx.stats)
+        g = reduce_scatter_v_p(grad, ctx.sizes, "sum", ctx.group_name, ctx.world, ctx.rank, ctx.stats)
         return g, None, None, None, None, None, None
 
 
@@ -351,28 +357,42 @@ class _ReduceScatterV(torch.autograd.Function):
         ctx: Any,
         x: Tensor,
         sizes: list[IntLike],
-        op: str,
-        name: str,
-        size: int,
+        reduce_op: str,
+        group_name: str,
+        world: int,
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        ctx.sizes, ctx.op, ctx.name, ctx.size, ctx.rank = _ctx_ints(sizes), op, name, size, rank
+        ctx.sizes, ctx.reduce_op, ctx.group_name, ctx.world, ctx.rank = (
+            _ctx_ints(sizes),
+            reduce_op,
+            group_name,
+            world,
+            rank,
+        )
         ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
-        return _reduce_scatter_v_impl(x, sizes, op, name, size, rank)
+        return _reduce_scatter_v_impl(x, sizes, reduce_op, group_name, world, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = gather_rows(grad, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank, ctx.stats)
-        return _scale_for_op("reduce_scatter", ctx.op, g, ctx.size), None, None, None, None, None, None
+        g = gather_rows(grad, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, ctx.stats)
+        return (
+            _scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def all_gather_v(
+def all_gather_v_p(
     x: Tensor,
     sizes: Sequence[IntLike],
     common: IntLike,
-    name: str,
-    size: int,
+    group_name: str,
+    world: int,
     rank: int,
     stats: Stats | None = None,
 ) -> Tensor:
@@ -380,15 +400,15 @@ def all_gather_v(
 
     `stats` (``(min, max, sum)`` of `sizes`, or None) only serves the backward's gather.
     """
-    return _AllGatherV.apply(x, list(sizes), common, name, size, rank, stats)
+    return _AllGatherV.apply(x, list(sizes), common, group_name, world, rank, stats)
 
 
-def reduce_scatter_v(
+def reduce_scatter_v_p(
     x: Tensor,
     sizes: Sequence[IntLike],
-    op: str,
-    name: str,
-    size: int,
+    reduce_op: str,
+    group_name: str,
+    world: int,
     rank: int,
     stats: Stats | None = None,
 ) -> Tensor:
@@ -396,4 +416,4 @@ def reduce_scatter_v(
 
     `stats` (``(min, max, sum)`` of `sizes`, or None) only serves the backward's gather.
     """
-    return _ReduceScatterV.apply(x, list(sizes), op, name, size, rank, stats)
+    return _ReduceScatterV.apply(x, list(sizes), reduce_op, group_name, world, rank, stats)

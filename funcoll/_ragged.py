@@ -137,7 +137,7 @@ def gather(
     torch._check(xm.shape[0] == n)
     send = [n if j == dst else 0 for j in range(g.size)]
     recv = list(sizes) if g.rank == dst else [0] * g.size
-    got = _prims.all_to_all_rows(xm, recv, send, g.name)
+    got = _prims.all_to_all_p(xm, recv, send, g.name)
     if g.rank != dst:
         return None
     got = unwire(got, x.dtype)
@@ -263,7 +263,7 @@ def reduce_scatter_v(
         sz, stats = given, (min(given), max(given), sum(given))
     torch._check(sum(sz) == x.shape[dim])
     xm, wop = wire(x).movedim(dim, 0), wire_op(rop, x.dtype)
-    y = _prims.reduce_scatter_v(xm, sz, wop, g.name, g.size, g.rank, stats)
+    y = _prims.reduce_scatter_v_p(xm, sz, wop, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
@@ -338,7 +338,7 @@ def all_to_all_v(
                 raise ValueError(f"{op}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
-    y = unwire(_prims.all_to_all_rows(xm, recv, send, g.name), x.dtype)
+    y = unwire(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_t
 
 

@@ -58,9 +58,11 @@ def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
 
 class _SplitForwardGatherBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, scale: str | None, name: str, size: int, rank: int) -> Tensor:
-        ctx.dim, ctx.scale, ctx.name, ctx.size, ctx.rank = dim, scale, name, size, rank
-        sizes = tensor_split_sizes(x.shape[dim], size)
+    def forward(
+        ctx: Any, x: Tensor, dim: int, scale: str | None, group_name: str, world: int, rank: int
+    ) -> Tensor:
+        ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank = dim, scale, group_name, world, rank
+        sizes = tensor_split_sizes(x.shape[dim], world)
         ctx.sizes = _prims._ctx_ints(sizes)
         ctx.total = _prims._ctx_ints([x.shape[dim]])[0]
         start = sum(sizes[:rank])
@@ -68,10 +70,10 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        gm = wire(_scaled(grad, ctx.scale, ctx.size)).movedim(ctx.dim, 0)
+        gm = wire(_scaled(grad, ctx.scale, ctx.world)).movedim(ctx.dim, 0)
         # tensor_split: the first pieces are the longest, and they add up to the input
         stats = (ctx.sizes[-1], ctx.sizes[0], ctx.total)
-        full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.name, ctx.size, ctx.rank, stats)
+        full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, stats)
         full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
         return full, None, None, None, None, None
 
@@ -85,14 +87,14 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         sizes: list[IntLike],
         stats: _prims.Stats,
         scale: str | None,
-        name: str,
-        size: int,
+        group_name: str,
+        world: int,
         rank: int,
     ) -> Tensor:
         xm = wire(x).movedim(dim, 0)
-        y = unwire(_prims.gather_rows(xm, sizes, "auto", name, size, rank, stats), x.dtype)
+        y = unwire(_prims.gather_rows(xm, sizes, "auto", group_name, world, rank, stats), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()
-        ctx.dim, ctx.scale, ctx.size = dim, scale, size
+        ctx.dim, ctx.scale, ctx.world = dim, scale, world
         ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
         ctx.len = _prims._ctx_ints([sizes[rank]])[0]
         return y
@@ -100,7 +102,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
-        return _scaled(piece, ctx.scale, ctx.size).contiguous(), None, None, None, None, None, None, None
+        return _scaled(piece, ctx.scale, ctx.world).contiguous(), None, None, None, None, None, None, None
 
 
 def split_forward_gather_backward(

@@ -83,7 +83,7 @@ def _exchange(op: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.Sym
     if g.is_single:
         table = header.view(1, -1)
     else:
-        table = _prims._all_gather0_impl(header, g.name, g.size).view(g.size, -1)
+        table = _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
     n = counts.numel()
     lengths = table[:, :n]
     agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
@@ -155,7 +155,7 @@ def gather_padded(
     g = resolve_group(op, group)
     sizes = _exchange(op, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
-    blocks = xm if g.is_single else _prims.all_gather0(xm, g.name, g.size)
+    blocks = xm if g.is_single else _prims.all_gather_p(xm, g.name, g.size)
     y = unwire(pack(blocks, sizes, bound, blocks.shape[0]), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
@@ -229,6 +229,6 @@ def all_to_all_padded(
     table = _exchange(op, x, d, send, cap, g)
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
     xm = wire(x).movedim(d, 0)
-    blocks = xm if g.is_single else _prims.all_to_all_rows(xm, [cap] * g.size, [cap] * g.size, g.name)
+    blocks = xm if g.is_single else _prims.all_to_all_p(xm, [cap] * g.size, [cap] * g.size, g.name)
     y = unwire(pack(blocks, recv_sizes, cap, blocks.shape[0]), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()
