@@ -54,14 +54,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 import funcoll
-from funcoll import compat
+from funcoll import _spec, compat
 from funcoll.testing import RankError, run_ranks
 
 __all__ = [
     "A2A",
     "AG",
     "AR",
-    "AUTO_A2A_MAX_WORLD",
     "BC",
     "CASES",
     "CASES_BY_ID",
@@ -173,6 +172,13 @@ class OpCase:
     writes_input: int | None = None  # index of an input the op writes in place
     min_world: int = 1
     takes_group: bool = True  # call(*inputs, group=...) works; False for the seed helpers without one
+    op: str = ""  # the public op whose spec says its collectives; the id's first word when empty
+    variant: str = ""  # which of the op's argument sets (funcoll._spec: "sizes", a strategy, "dst", "given")
+    at_scale: bool = False  # traced on fake groups of 8, 64 and 1024 ranks (test_fake_pg.py)
+
+    @property
+    def spec_name(self) -> str:
+        return self.op or self.id.split("-")[0].removeprefix("compat.")
 
     def grad_factor(self, world: int) -> float:
         return {"up": float(world), "down": 1.0 / world, None: 1.0}[self.grad_scale]
@@ -447,6 +453,7 @@ CASES: list[OpCase] = [
         "all_gather-x3x5-dim0",
         call=lambda x, group=None: funcoll.all_gather(x, 0, group=group),
         reference=_ref_cat(0),
+        at_scale=True,
     ),
     _case(
         "all_gather-x3x5-dim1-noncontig",
@@ -463,6 +470,7 @@ CASES: list[OpCase] = [
         "all_gather-untiled-x3x5-dim1",
         call=lambda x, group=None: funcoll.all_gather(x, 1, tiled=False, group=group),
         reference=_ref_stack(1),
+        at_scale=True,
     ),
     _case(
         "all_gather_into_tensor-x3x5",
@@ -474,6 +482,7 @@ CASES: list[OpCase] = [
         _shaped("reduce_scatter-x2wx5-dim0", _twice, 5),
         call=lambda x, group=None: funcoll.reduce_scatter(x, 0, group=group),
         reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, 0)],
+        at_scale=True,
     ),
     _case(
         "reduce_scatter-x3x2w-dim-1",
@@ -484,14 +493,17 @@ CASES: list[OpCase] = [
     _case(
         "reduce_scatter-ragged-sizes-dim0",
         _shaped("reduce_scatter-ragged-sizes-dim0", lambda r, w: sum(ragged_sizes(w)), 5),
+        variant="sizes",
         call=_call_reduce_scatter_ragged,
         reference=_ref_reduce_scatter_ragged,
         exchanges_sizes=True,  # the ranks' `sizes` are checked against each other
+        at_scale=True,
     ),
     _case(
         "all_reduce-x3x5",
         call=lambda x, group=None: funcoll.all_reduce(x, group=group),
         reference=lambda xs, w: _same(w, [sum(_firsts(xs))]),
+        at_scale=True,
     ),
     _case(
         "all_to_all-x2x3x2wx5-scatter2-gather1",
@@ -504,6 +516,7 @@ CASES: list[OpCase] = [
         _shaped("all_to_all-x2w+1x3x5-uneven-scatter0-gather-1", _twice_plus_one, 3, 5),
         call=lambda x, group=None: funcoll.all_to_all(x, group, 0, -1),
         reference=_ref_all_to_all(0, -1),
+        at_scale=True,
     ),
     _case(
         # Ulysses' way back with a head count world does not divide: (B, S, H_r, D) -> (B, S_r, H, D)
@@ -511,8 +524,9 @@ CASES: list[OpCase] = [
         _shaped("all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2", 2, _twice_plus_one, _heads, 3),
         call=_call_all_to_all_heads_back,
         reference=_ref_all_to_all(1, 2),
+        at_scale=True,
     ),
-    _case("ppermute-ring-x3x5", call=_call_ppermute_ring, reference=_ref_ppermute(_ring)),
+    _case("ppermute-ring-x3x5", call=_call_ppermute_ring, reference=_ref_ppermute(_ring), at_scale=True),
     _case(
         "ppermute-first-to-last-x3x5",
         call=_call_ppermute_partial,
@@ -523,6 +537,7 @@ CASES: list[OpCase] = [
         "broadcast-src-last-x3x5",
         call=_call_broadcast_last,
         reference=lambda xs, w: _same(w, [xs[w - 1][0] * 1]),
+        at_scale=True,
     ),
     _case(
         "axis_index-axis_size-x3x5",
@@ -536,6 +551,7 @@ CASES: list[OpCase] = [
         call=lambda x, group=None: funcoll.split_forward_gather_backward(x, group, 0),
         reference=_ref_split(0),
         grad="replicated",
+        at_scale=True,
     ),
     _case(
         "split_forward_gather_backward-x3x2w+1-dim-1-up",
@@ -552,6 +568,7 @@ CASES: list[OpCase] = [
         reference=_ref_cat(0),
         grad="own",
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "gather_forward_split_backward-ragged-x3x_n-dim-1-down",
@@ -569,6 +586,7 @@ CASES: list[OpCase] = [
         call=lambda x, group=None: funcoll.gather(x, group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "gather-auto-ragged-x3x_n-dim-1-noncontig",
@@ -580,25 +598,31 @@ CASES: list[OpCase] = [
     _case(
         "gather-pad-ragged-x_nx5-dim0",
         _shaped("gather-pad-ragged-x_nx5-dim0", _ragged, 5),
+        variant="pad",
         call=lambda x, group=None: funcoll.gather(x, strategy="pad", group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "gather-a2a-ragged-x_nx5-dim0",
         _shaped("gather-a2a-ragged-x_nx5-dim0", _ragged_alt, 5),
+        variant="a2a",
         call=lambda x, group=None: funcoll.gather(x, strategy="a2a", group=group),
         reference=_ref_cat(0),
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "gather-dst0-ragged-x_nx5-dim0-nograd",
         _shaped("gather-dst0-ragged-x_nx5-dim0-nograd", _ragged, 5),
+        variant="dst",
         call=_call_gather_dst0,
         reference=_ref_gather_dst0,
         grad="none",
         grad_inputs=(),
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "all_gather_list-ragged-x_nx5-dim0",
@@ -606,6 +630,7 @@ CASES: list[OpCase] = [
         call=lambda x, group=None: funcoll.all_gather_list(x, group=group),
         reference=_ref_all_gather_list,
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "all_gather_ragged-ragged-x3x_n-dim1",
@@ -613,6 +638,7 @@ CASES: list[OpCase] = [
         call=lambda x, group=None: funcoll.all_gather_ragged(x, 1, group=group),
         reference=_ref_all_gather_ragged(1),
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "all_to_all_v-recv-exchanged-x_nx5",
@@ -620,18 +646,22 @@ CASES: list[OpCase] = [
         call=_call_all_to_all_v_exchanged,
         reference=_ref_all_to_all_v,
         exchanges_sizes=True,
+        at_scale=True,
     ),
     _case(
         "all_to_all_v-recv-given-x_nx5",
         _shaped("all_to_all_v-recv-given-x_nx5", _send_total, 5),
+        variant="given",
         call=_call_all_to_all_v_given,
         reference=_ref_all_to_all_v,
+        at_scale=True,
     ),
     _case(
         "gather_padded-x4x5-dim0",
         _inputs_padded("gather_padded-x4x5-dim0", 0),
         call=lambda x, n, group=None: funcoll.gather_padded(x, n, group=group),
         reference=_ref_gather_padded(0),
+        at_scale=True,
     ),
     _case(
         "gather_padded-x3x4-dim-1-noncontig",
@@ -644,6 +674,7 @@ CASES: list[OpCase] = [
         _inputs_a2a_padded("all_to_all_padded-xw3x5-dim0"),
         call=lambda x, n, group=None: funcoll.all_to_all_padded(x, n, group=group),
         reference=_ref_all_to_all_padded,
+        at_scale=True,
     ),
     # compat (the seed helpers' signatures)
     _case(
@@ -658,6 +689,7 @@ CASES: list[OpCase] = [
     _case(
         "compat.all_gather-ragged-1d",
         _shaped("compat.all_gather-ragged-1d", _ragged_alt),
+        op="gather",
         call=_call_compat_all_gather,
         takes_group=False,
         reference=_ref_all_gather_list,
@@ -666,6 +698,7 @@ CASES: list[OpCase] = [
     _case(
         "compat.all_gather_nd-ragged-x_nx2x3",
         _shaped("compat.all_gather_nd-ragged-x_nx2x3", _ragged, 2, 3),
+        op="gather",
         call=compat.all_gather_nd,
         takes_group=False,
         reference=_ref_all_gather_list,
@@ -926,87 +959,18 @@ def forbidden_calls(calls: list[dict[str, Any]]) -> list[str]:
 
 
 # ------------------------------------------------------------------ expected collectives
-AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
-A2A, BC, WAIT = "all_to_all_single", "broadcast", "wait_tensor"
-
-# The collectives of each case at `world` ranks: (forward, backward); backward None
-# when no input requires grad. The ragged ops start with one header all_gather (the
-# size exchange); a ragged all-gather ("auto"/"a2a") is one all_gather of the common
-# rows plus world - 1 shifted all_to_all_singles of the rest, "pad" one all_gather of
-# padded blocks, and "auto" pads above AUTO_A2A_MAX_WORLD ranks (funcoll.gather's
-# docstring).
-AUTO_A2A_MAX_WORLD = 8
-_HEADER = {AG: 1}
-
-
-def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
-
-
-def _ragged_gather(world: int, strategy: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(forward, backward) collectives of a ragged all-gather after the size header."""
-    if strategy == "auto":
-        strategy = "a2a" if world <= AUTO_A2A_MAX_WORLD else "pad"
-    if strategy == "pad":
-        return {AG: 1}, {RS: 1}  # padded blocks; backward through all_gather's adjoint
-    return {AG: 1, A2A: world - 1}, {A2A: 1}  # common rows + the rest; backward: ragged reduce_scatter
+# The collectives of each case at `world` ranks, (forward, backward), are what the
+# op's spec declares (funcoll/_spec.py: its `collectives`); backward None when no
+# input requires grad.
+AG, RS, AR, A2A, BC = _spec.AG, _spec.RS, _spec.AR, _spec.A2A, _spec.BC
+WAIT = "wait_tensor"
 
 
 def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict[str, int] | None]:
-    """The collectives (forward, backward) of a case at `world` ranks."""
-    auto_fw, auto_bw = _ragged_gather(world, "auto")
-    gather = _plus(_HEADER, auto_fw), auto_bw  # size header, then the rows
-    even = {
-        "all_gather": ({AG: 1}, {RS: 1}),
-        "reduce_scatter": ({RS: 1}, {AG: 1}),
-        "all_reduce": ({AR: 1}, {AR: 1}),
-        "all_to_all": ({A2A: 1}, {A2A: 1}),
-        "ppermute": ({A2A: 1}, {A2A: 1}),
-        "broadcast": ({BC: 1}, {AR: 1}),
-    }
-    table: dict[str, tuple[dict[str, int], dict[str, int] | None]] = {
-        "all_gather-x3x5-dim0": even["all_gather"],
-        "all_gather-x3x5-dim1-noncontig": even["all_gather"],
-        "all_gather-untiled-x3x5-dim0": even["all_gather"],
-        "all_gather-untiled-x3x5-dim1": even["all_gather"],
-        "all_gather_into_tensor-x3x5": even["all_gather"],
-        "reduce_scatter-x2wx5-dim0": even["reduce_scatter"],
-        "reduce_scatter-x3x2w-dim-1": even["reduce_scatter"],
-        "reduce_scatter-ragged-sizes-dim0": (_plus(_HEADER, {A2A: 1}), auto_fw),  # bw: ragged all-gather
-        "all_reduce-x3x5": even["all_reduce"],
-        "all_to_all-x2x3x2wx5-scatter2-gather1": even["all_to_all"],
-        "all_to_all-x2w+1x3x5-uneven-scatter0-gather-1": even["all_to_all"],
-        "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2": even["all_to_all"],
-        "ppermute-ring-x3x5": even["ppermute"],
-        "ppermute-first-to-last-x3x5": even["ppermute"],
-        "broadcast-src-last-x3x5": even["broadcast"],
-        "axis_index-axis_size-x3x5": ({}, {}),
-        "split_forward_gather_backward-x2w+1x5-dim0": ({}, auto_fw),
-        "split_forward_gather_backward-x3x2w+1-dim-1-up": ({}, auto_fw),
-        "gather_forward_split_backward-ragged-x_nx5-dim0": (gather[0], {}),
-        "gather_forward_split_backward-ragged-x3x_n-dim-1-down": (gather[0], {}),
-        "gather-auto-ragged-x_nx5-dim0": gather,
-        "gather-auto-ragged-x3x_n-dim-1-noncontig": gather,
-        "gather-pad-ragged-x_nx5-dim0": (_plus(_HEADER, {AG: 1}), {RS: 1}),
-        "gather-a2a-ragged-x_nx5-dim0": (_plus(_HEADER, {AG: 1, A2A: world - 1}), {A2A: 1}),
-        "gather-dst0-ragged-x_nx5-dim0-nograd": (_plus(_HEADER, {A2A: 1}), None),
-        "all_gather_list-ragged-x_nx5-dim0": gather,
-        "all_gather_ragged-ragged-x3x_n-dim1": gather,
-        "all_to_all_v-recv-exchanged-x_nx5": (_plus(_HEADER, {A2A: 1}), {A2A: 1}),
-        "all_to_all_v-recv-given-x_nx5": even["all_to_all"],
-        "gather_padded-x4x5-dim0": ({AG: 2}, {RS: 1}),  # length header, then the padded rows
-        "gather_padded-x3x4-dim-1-noncontig": ({AG: 2}, {RS: 1}),
-        "all_to_all_padded-xw3x5-dim0": ({AG: 1, A2A: 1}, {A2A: 1}),  # counts header, then the blocks
-        "compat.gather-ragged-x_nx5-dim0": gather,
-        "compat.all_gather-ragged-1d": gather,
-        "compat.all_gather_nd-ragged-x_nx2x3": gather,
-        "compat.all_to_all-x2x3x2wx5": even["all_to_all"],
-        "compat.split_forward_gather_backward-x2w+1x5-dim0": ({}, auto_fw),
-        "compat.gather_forward_split_backward-ragged-x_nx5-dim0": (gather[0], {}),
-        "compat.all_gather_into_tensor-x3x5-out-allocated-inside": even["all_gather"],
-        "compat.all_gather_into_tensor-x3x5-out-buffer-input": ({AG: 1}, None),
-    }
-    return table[case_id]
+    """The collectives (forward, backward) of a case at `world` ranks, from its op's spec."""
+    case = CASES_BY_ID[case_id]
+    fw, bw = _spec.spec(case.spec_name).plan(world, case.variant)
+    return fw, (None if case.grad == "none" else bw)
 
 
 EXPECTED_AT_2 = {c.id: expected_collectives(c.id, 2) for c in CASES}

@@ -12,11 +12,13 @@ entry or no reference test: adding an op starts here (docs/contributing.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ._header import HEADERS, Header
+from ._strategy import resolve
 
-__all__ = ["FAMILIES", "SPECS", "OpSpec", "spec"]
+__all__ = ["FAMILIES", "SPECS", "OpSpec", "Plan", "spec"]
 
 # The docs sections, in the order docs/api.md shows them.
 FAMILIES = (
@@ -31,6 +33,56 @@ FAMILIES = (
 CASES = "compile_tests/_ops.py"  # the table of compiled cases (id prefix: the op name)
 
 
+# The _c10d_functional collectives, named as compiled graphs show them.
+AG, RS, AR, A2A, BC = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+)
+# What one call issues at a world size: (forward, backward) counts of each
+# collective; backward None when nothing there requires grad.
+Plan = tuple[dict[str, int], dict[str, int] | None]
+HEADER = {AG: 1}  # the size exchange (or the static ops' counts header): one small all_gather
+
+
+def _plus(*counts: dict[str, int]) -> dict[str, int]:
+    return {k: sum(c.get(k, 0) for c in counts) for c in counts for k in c}
+
+
+def _rows(world: int, strategy: str = "auto") -> Plan:
+    """A ragged all-gather after its size header: "pad" is one all_gather of padded blocks
+    (backward: its reduce_scatter); the shifted strategies one all_gather of the common
+    rows and world - 1 all_to_alls (backward: one all_to_all, the ragged reduce_scatter)."""
+    if resolve(strategy, world) == "pad":
+        return {AG: 1}, {RS: 1}
+    return {AG: 1, A2A: world - 1}, {A2A: 1}
+
+
+def _fixed(fw: dict[str, int], bw: dict[str, int] | None) -> Callable[[int, str], Plan]:
+    return lambda world, variant: (fw, bw)
+
+
+def _ragged_gather(world: int, variant: str) -> Plan:
+    """gather, all_gather_list, all_gather_ragged: the header, then the rows; variant: the strategy or "dst"."""
+    if variant == "dst":  # one all_to_all to dst; no backward (inputs may not require grad)
+        return _plus(HEADER, {A2A: 1}), None
+    fw, bw = _rows(world, variant or "auto")
+    return _plus(HEADER, fw), bw
+
+
+def _reduce_scatter(world: int, variant: str) -> Plan:
+    if variant == "sizes":  # the ragged one: header, one all_to_all; backward a ragged all-gather
+        return _plus(HEADER, {A2A: 1}), _rows(world)[0]
+    return {RS: 1}, {AG: 1}
+
+
+def _all_to_all_v(world: int, variant: str) -> Plan:
+    """variant "given": recv_sizes passed, nothing exchanged; else the sizes travel in a header."""
+    return ({A2A: 1} if variant == "given" else _plus(HEADER, {A2A: 1})), {A2A: 1}
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """What funcoll knows about one public op, in one place.
@@ -39,7 +91,10 @@ class OpSpec:
     exchanges none). `limit`: for the static ops, what bounds each count (their
     error messages say it). `compiled_in`: the compile test that compiles it: the
     case table (``compile_tests/_ops.py``, a case id starting with `case`), a
-    module of its own, or None for a setting read outside compiled code. `tests`: the test modules that check it against
+    module of its own, or None for a setting read outside compiled code.
+    `collectives`: ``(world, variant) -> (forward, backward)`` counts of each
+    ``_c10d_functional`` collective one call issues, with checks off: what the
+    graph tests and the fake-group traces expect; None for what issues none. `tests`: the test modules that check it against
     single-process references.
     """
 
@@ -50,6 +105,13 @@ class OpSpec:
     limit: str | None = None
     compiled_in: str | None = CASES
     case: str = ""  # the case id prefix in compile_tests/_ops.py; the name when empty
+    collectives: Callable[[int, str], Plan] | None = field(default=None, compare=False)
+
+    def plan(self, world: int, variant: str = "") -> Plan:
+        """The collectives one call issues at `world` ranks (`variant`: the op's argument set)."""
+        if self.collectives is None:
+            raise ValueError(f"funcoll.{self.name} issues no collectives")
+        return self.collectives(world, variant)
 
     @property
     def case_prefix(self) -> str:
@@ -64,47 +126,41 @@ def _op(name: str, family: str, *tests: str, exchanges: bool = True, **kw: objec
 _EVEN, _RAGGED, _STATIC, _REGION = FAMILIES[:4]
 _T_EVEN, _T_RAGGED, _T_REGION = "tests/test_even.py", "tests/test_ragged.py", "tests/test_region.py"
 
+_EVEN_AG, _EVEN_RS = _fixed({AG: 1}, {RS: 1}), _fixed({RS: 1}, {AG: 1})
+_A2A = _fixed({A2A: 1}, {A2A: 1})
+_NONE = _fixed({}, {})  # traced, but no collective
+_GROUPS, _COMPILING, _CHECKS = FAMILIES[4:]
+
 SPECS: tuple[OpSpec, ...] = (
-    _op("all_gather", _EVEN, _T_EVEN, "tests/test_checks.py"),
-    _op("all_gather_into_tensor", _EVEN, _T_EVEN),
-    _op("reduce_scatter", _EVEN, _T_EVEN, _T_RAGGED, "tests/test_sizes.py"),
-    _op("all_reduce", _EVEN, _T_EVEN),
-    _op("all_to_all", _EVEN, _T_EVEN, "tests/test_all_to_all_sizes.py", "tests/test_sizes.py"),
-    _op("ppermute", _EVEN, _T_EVEN),
-    _op("broadcast", _EVEN, _T_EVEN),
-    _op("gather", _RAGGED, _T_RAGGED, "tests/test_ragged_errors.py"),
-    _op("all_gather_list", _RAGGED, _T_RAGGED),
-    _op("all_gather_ragged", _RAGGED, _T_RAGGED),
-    _op("all_to_all_v", _RAGGED, _T_RAGGED, "tests/test_sizes.py"),
-    _op("gather_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim]"),
-    _op("all_to_all_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim] // world"),
-    _op("split_forward_gather_backward", _REGION, _T_REGION),
-    _op("gather_forward_split_backward", _REGION, _T_REGION),
-    _op("axis_index", "Groups and sizes", "tests/test_group.py", exchanges=False),
-    _op("axis_size", "Groups and sizes", "tests/test_group.py", exchanges=False, case="axis_index"),
-    _op(
-        "split_sizes",
-        "Groups and sizes",
-        "tests/test_all_to_all_sizes.py",
-        exchanges=False,
-        compiled_in="tests/clients/test_clients.py",
-    ),
-    _op(
-        "mark_ragged",
-        "Compiling",
-        "compile_tests/test_recompiles.py",
-        exchanges=False,
-        compiled_in="compile_tests/test_downstream.py",
-    ),
-    _op(
-        "set_checks",
-        "Checks",
-        "tests/test_checks.py",
-        exchanges=False,
-        compiled_in="compile_tests/test_checked_ops.py",
-    ),
-    _op("checks_enabled", "Checks", "tests/test_checks.py", exchanges=False, compiled_in=None),
-)
+    _op("all_gather", _EVEN, _T_EVEN, "tests/test_checks.py", collectives=_EVEN_AG),
+    _op("all_gather_into_tensor", _EVEN, _T_EVEN, collectives=_EVEN_AG),
+    _op("reduce_scatter", _EVEN, _T_EVEN, _T_RAGGED, "tests/test_sizes.py", collectives=_reduce_scatter),
+    _op("all_reduce", _EVEN, _T_EVEN, collectives=_fixed({AR: 1}, {AR: 1})),
+    _op("all_to_all", _EVEN, _T_EVEN, "tests/test_all_to_all_sizes.py", "tests/test_sizes.py", collectives=_A2A),
+    _op("ppermute", _EVEN, _T_EVEN, collectives=_A2A),
+    _op("broadcast", _EVEN, _T_EVEN, collectives=_fixed({BC: 1}, {AR: 1})),
+    _op("gather", _RAGGED, _T_RAGGED, "tests/test_ragged_errors.py", collectives=_ragged_gather),
+    _op("all_gather_list", _RAGGED, _T_RAGGED, collectives=_ragged_gather),
+    _op("all_gather_ragged", _RAGGED, _T_RAGGED, collectives=_ragged_gather),
+    _op("all_to_all_v", _RAGGED, _T_RAGGED, "tests/test_sizes.py", collectives=_all_to_all_v),
+    _op("gather_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim]",
+        collectives=_fixed({AG: 2}, {RS: 1})),  # the counts header, then the padded rows
+    _op("all_to_all_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim] // world",
+        collectives=_fixed({AG: 1, A2A: 1}, {A2A: 1})),  # the counts header, then the blocks
+    _op("split_forward_gather_backward", _REGION, _T_REGION,  # backward: a ragged all-gather, sizes known
+        collectives=lambda world, variant: ({}, _rows(world)[0])),
+    _op("gather_forward_split_backward", _REGION, _T_REGION,  # backward: this rank's piece, no collective
+        collectives=lambda world, variant: (_plus(HEADER, _rows(world)[0]), {})),
+    _op("axis_index", _GROUPS, "tests/test_group.py", exchanges=False, collectives=_NONE),
+    _op("axis_size", _GROUPS, "tests/test_group.py", exchanges=False, case="axis_index", collectives=_NONE),
+    _op("split_sizes", _GROUPS, "tests/test_all_to_all_sizes.py", exchanges=False,
+        compiled_in="tests/clients/test_clients.py"),
+    _op("mark_ragged", _COMPILING, "compile_tests/test_recompiles.py", exchanges=False,
+        compiled_in="compile_tests/test_downstream.py"),
+    _op("set_checks", _CHECKS, "tests/test_checks.py", exchanges=False,
+        compiled_in="compile_tests/test_checked_ops.py"),
+    _op("checks_enabled", _CHECKS, "tests/test_checks.py", exchanges=False, compiled_in=None),
+)  # fmt: skip
 _BY_NAME = {s.name: s for s in SPECS}
 
 
