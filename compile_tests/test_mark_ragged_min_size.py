@@ -9,6 +9,8 @@ the same attention run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -33,25 +35,24 @@ def _checked(q: torch.Tensor) -> torch.Tensor:
     return _attention(q)
 
 
-@pytest.mark.skipif(not _mark_unbacked_takes_min(), reason="this torch's mark_unbacked takes no min")
-def test_min_size_one_compiles_once_across_lengths() -> None:
+def _frames_over_lengths(fn: Callable[[torch.Tensor], torch.Tensor], min_size: int) -> int:
+    """Compile `fn`, call it on every length (marked ragged), check each result; the frames compiled."""
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    step = torch.compile(_attention, fullgraph=True, backend=counter)
+    step = torch.compile(fn, fullgraph=True, backend=counter)
     for n in LENGTHS:
         q = _q(n)
-        torch.testing.assert_close(step(funcoll.mark_ragged(q, 2, min_size=1)), _attention(q))
-    assert counter.frame_count == 1
+        torch.testing.assert_close(step(funcoll.mark_ragged(q, 2, min_size=min_size)), _attention(q))
+    return counter.frame_count
+
+
+@pytest.mark.skipif(not _mark_unbacked_takes_min(), reason="this torch's mark_unbacked takes no min")
+def test_min_size_one_compiles_once_across_lengths() -> None:
+    assert _frames_over_lengths(_attention, min_size=1) == 1
 
 
 def test_check_in_the_compiled_function_serves_any_torch() -> None:
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    step = torch.compile(_checked, fullgraph=True, backend=counter)
-    for n in LENGTHS:
-        q = _q(n)
-        torch.testing.assert_close(step(funcoll.mark_ragged(q, 2)), _attention(q))
-    assert counter.frame_count == 1
+    assert _frames_over_lengths(_checked, min_size=0) == 1
 
 
 def test_without_a_bound_the_empty_branch_cannot_be_traced() -> None:
