@@ -14,13 +14,13 @@ IntLike = int | torch.SymInt
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
-def check_tensor(op: str, name: str, x: object) -> Tensor:
+def check_tensor(opname: str, arg: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{opname}: `{arg}` must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def local_input(op: str, x: object, group: object) -> tuple[Tensor, object]:
+def local_input(opname: str, x: object, group: object) -> tuple[Tensor, object]:
     """Check `x`; a DTensor becomes its local shard, and its 1-D mesh the default group.
 
     funcoll ops act on what each rank holds (as JAX's ``shard_map`` bodies do), so a
@@ -28,13 +28,13 @@ def local_input(op: str, x: object, group: object) -> tuple[Tensor, object]:
     the DTensor's mesh is the group when it is 1-D; a 2-D mesh needs an explicit
     ``group=(mesh, mesh_dim)``.
     """
-    x = check_tensor(op, "x", x)
+    x = check_tensor(opname, "x", x)
     if type(x).__name__ == "DTensor":  # no import of DTensor unless one is passed
         mesh = x.device_mesh
         if group is None:
             if mesh.ndim != 1:
                 raise ValueError(
-                    f"{op}: `x` is a DTensor on a {mesh.ndim}-D mesh; pass group=(mesh, mesh_dim) "
+                    f"{opname}: `x` is a DTensor on a {mesh.ndim}-D mesh; pass group=(mesh, mesh_dim) "
                     f"to pick the mesh dim to communicate over"
                 )
             group = mesh
@@ -42,31 +42,31 @@ def local_input(op: str, x: object, group: object) -> tuple[Tensor, object]:
     return x, group
 
 
-def check_dim(op: str, x: Tensor, dim: object, name: str = "dim", extra: int = 0) -> int:
+def check_dim(opname: str, x: Tensor, dim: object, arg: str = "dim", extra: int = 0) -> int:
     """Normalise a (possibly negative) tensor dim of `x`; `extra` allows one past the end."""
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"{op}: `{name}` must be an int, got {type(dim).__name__}")
+        raise TypeError(f"{opname}: `{arg}` must be an int, got {type(dim).__name__}")
     ndim = x.dim() + extra
     if ndim == 0:
-        raise ValueError(f"{op}: `{name}`={dim} needs a tensor with at least one dim, got a 0-d tensor")
+        raise ValueError(f"{opname}: `{arg}`={dim} needs a tensor with at least one dim, got a 0-d tensor")
     if not -ndim <= dim < ndim:
         raise ValueError(
-            f"{op}: `{name}`={dim} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}"
+            f"{opname}: `{arg}`={dim} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}"
         )
     return dim % ndim
 
 
-def check_reduce_op(op: str, reduce_op: object) -> str:
+def check_reduce_op(opname: str, reduce_op: object) -> str:
     if not isinstance(reduce_op, str) or reduce_op.lower() not in REDUCE_OPS:
-        raise ValueError(f"{op}: `op`={reduce_op!r} is not one of {REDUCE_OPS}")
+        raise ValueError(f"{opname}: `op`={reduce_op!r} is not one of {REDUCE_OPS}")
     return reduce_op.lower()
 
 
-def check_rank(op: str, name: str, value: object, size: int) -> int:
+def check_rank(opname: str, arg: str, value: object, size: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{op}: `{name}` must be an int rank, got {type(value).__name__}")
+        raise TypeError(f"{opname}: `{arg}` must be an int rank, got {type(value).__name__}")
     if not 0 <= value < size:
-        raise ValueError(f"{op}: `{name}`={value} is not a rank of a group of size {size}")
+        raise ValueError(f"{opname}: `{arg}`={value} is not a rank of a group of size {size}")
     return value
 
 
@@ -94,7 +94,7 @@ def is_int_dtype(dtype: torch.dtype) -> bool:
 
 
 def check_sizes(
-    op: str,
+    opname: str,
     arg: str,
     sizes: object,
     count: int | None,
@@ -126,43 +126,43 @@ def check_sizes(
     kinds = f"an integer tensor or {kinds}" if tensors else kinds
     if isinstance(sizes, Tensor) and tensors:
         if not is_int_dtype(sizes.dtype):
-            raise TypeError(f"{op}: `{arg}` must be {kinds}, got a {sizes.dtype} tensor")
+            raise TypeError(f"{opname}: `{arg}` must be {kinds}, got a {sizes.dtype} tensor")
         if sizes.dim() > 1 or sizes.numel() != n_wanted or (sizes.dim() == 0 and count not in (None, 1)):
             raise ValueError(
-                f"{op}: `{arg}` must hold {n_wanted} value(s), got a tensor of shape {tuple(sizes.shape)}"
+                f"{opname}: `{arg}` must hold {n_wanted} value(s), got a tensor of shape {tuple(sizes.shape)}"
             )
         return sizes
     if count is None:
         if isinstance(sizes, bool) or not isinstance(sizes, (int, torch.SymInt)):
-            raise TypeError(f"{op}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
+            raise TypeError(f"{opname}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
         ints, where = [sizes], lambda i: f"`{arg}`"
     else:
         if not isinstance(sizes, (list, tuple)):
-            raise TypeError(f"{op}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
+            raise TypeError(f"{opname}: `{arg}` must be {kinds}, got {type(sizes).__name__}")
         for i, n in enumerate(sizes):
             if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
-                raise TypeError(f"{op}: `{arg}`[{i}] must be an int, got {type(n).__name__} {n!r}")
+                raise TypeError(f"{opname}: `{arg}`[{i}] must be an int, got {type(n).__name__} {n!r}")
         if len(sizes) != count:
             raise ValueError(
-                f"{op}: `{arg}`={list(sizes)!r} must be {count} ints, one per rank, got {len(sizes)}"
+                f"{opname}: `{arg}`={list(sizes)!r} must be {count} ints, one per rank, got {len(sizes)}"
             )
         ints, where = list(sizes), lambda i: f"`{arg}`[{i}]"
     for i, n in enumerate(ints):
         if isinstance(n, torch.SymInt):
             continue
         if bound is not None and isinstance(bound, int) and not 0 <= n <= bound:
-            raise ValueError(f"{op}: {where(i)}={n} is outside [0, {bound}] = [0, {bound_text}]")
+            raise ValueError(f"{opname}: {where(i)}={n} is outside [0, {bound}] = [0, {bound_text}]")
         if n < 0:
-            raise ValueError(f"{op}: {where(i)}={n} is negative: sizes are row counts")
+            raise ValueError(f"{opname}: {where(i)}={n} is negative: sizes are row counts")
     return ints
 
 
-def check_total(op: str, arg: str, sizes: list[IntLike], total: IntLike, what: str) -> None:
+def check_total(opname: str, arg: str, sizes: list[IntLike], total: IntLike, what: str) -> None:
     """`sizes` add up to `total` (`what` names it): a ValueError now, or a runtime assert on symbols."""
     got = sum(sizes)
     # Under dynamo a SymInt passes isinstance(., int) and fails isinstance(., SymInt):
     # in a compiled graph every total is asserted at run time instead.
     if torch.compiler.is_compiling() or isinstance(got, torch.SymInt) or isinstance(total, torch.SymInt):
-        torch._check(got == total, lambda: f"{op}: `{arg}` does not sum to {what}")
+        torch._check(got == total, lambda: f"{opname}: `{arg}` does not sum to {what}")
     elif got != total:
-        raise ValueError(f"{op}: `{arg}`={list(sizes)} sums to {got}, but {what}={total}")
+        raise ValueError(f"{opname}: `{arg}`={list(sizes)} sums to {got}, but {what}={total}")

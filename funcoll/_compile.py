@@ -60,22 +60,22 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
         attn = torch.compile(sp_attention, fullgraph=True)     # calls scaled_dot_product_attention
         attn(funcoll.mark_ragged(q, 2, min_size=1))             # no rank's sequence is empty
     """
-    op = "funcoll.mark_ragged"
-    check_tensor(op, "x", x)
-    d = check_dim(op, x, dim)
+    opname = "funcoll.mark_ragged"
+    check_tensor(opname, "x", x)
+    d = check_dim(opname, x, dim)
     if not isinstance(min_size, int) or isinstance(min_size, bool):
-        raise TypeError(f"{op}: `min_size` must be an int, got {type(min_size).__name__} {min_size!r}")
+        raise TypeError(f"{opname}: `min_size` must be an int, got {type(min_size).__name__} {min_size!r}")
     if min_size < 0:
-        raise ValueError(f"{op}: `min_size`={min_size} must be >= 0")
+        raise ValueError(f"{opname}: `min_size`={min_size} must be >= 0")
     if torch.compiler.is_compiling():
         return x
     if x.shape[d] < min_size:
-        raise ValueError(f"{op}: x.shape[{d}]={x.shape[d]} is below `min_size`={min_size}")
+        raise ValueError(f"{opname}: x.shape[{d}]={x.shape[d]} is below `min_size`={min_size}")
     bound: dict[str, int] = {}
     if min_size > 0:
         if not _mark_unbacked_takes_min():
             raise NotImplementedError(
-                f"{op}: `min_size` needs torch._dynamo.mark_unbacked(min=...), which torch "
+                f"{opname}: `min_size` needs torch._dynamo.mark_unbacked(min=...), which torch "
                 f"{torch.__version__} lacks; put torch._check(x.shape[{d}] >= {min_size}) at the top of "
                 f"the compiled function instead"
             )

@@ -79,12 +79,12 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
     return _all_gather("funcoll.all_gather", x, dim, group, tiled)
 
 
-def _all_gather(op: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
-    x, group = local_input(op, x, group)
+def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
+    x, group = local_input(opname, x, group)
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
-    d = check_dim(op, x, dim, extra=0 if tiled else 1)
-    g = resolve_group(op, group)
-    check_agreement(op.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
+    d = check_dim(opname, x, dim, extra=0 if tiled else 1)
+    g = resolve_group(opname, group)
+    check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
     # A 0-d x travels as one element (the backends want at least one dim).
@@ -157,33 +157,35 @@ def reduce_scatter(
         reduce_scatter(x)             # rank 0: [11, 22]      rank 1: [33, 44]
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
     """
-    name = "funcoll.reduce_scatter"
-    x, group = local_input(name, x, group)
-    d = check_dim(name, x, dim)
-    rop = check_reduce_op(name, op)
-    if rop == "avg" and not x.dtype.is_floating_point:
-        raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
-    g = resolve_group(name, group)
+    opname = "funcoll.reduce_scatter"
+    x, group = local_input(opname, x, group)
+    d = check_dim(opname, x, dim)
+    reduce_op = check_reduce_op(opname, op)
+    if reduce_op == "avg" and not x.dtype.is_floating_point:
+        raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    g = resolve_group(opname, group)
     if sizes is not None:
         if not tiled:
-            raise ValueError(f"{name}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
-        return reduce_scatter_v(name, x, d, sizes, rop, g)
+            raise ValueError(f"{opname}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
+        return reduce_scatter_v(opname, x, d, sizes, reduce_op, g)
     if not tiled and x.shape[d] != g.size:
         raise ValueError(
-            f"{name}: tiled=False needs x.shape[{d}] == world ({g.size}), got shape {tuple(x.shape)}"
+            f"{opname}: tiled=False needs x.shape[{d}] == world ({g.size}), got shape {tuple(x.shape)}"
         )
     if x.shape[d] % g.size != 0:
         raise ValueError(
-            f"{name}: x.shape[{d}]={x.shape[d]} does not divide by the group size {g.size}; "
+            f"{opname}: x.shape[{d}]={x.shape[d]} does not divide by the group size {g.size}; "
             f"pass `sizes` for a ragged reduce-scatter"
         )
     n = x.shape[d] // g.size
-    check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(rop), 0), [n] * g.size)
+    check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), [n] * g.size)
     if g.is_single:
         y = fresh(x)
     else:
         xm = wire(x).movedim(d, 0)
-        y = unwire(_prims.reduce_scatter_p(xm, wire_op(rop, x.dtype), g.name, g.size), x.dtype).movedim(0, d)
+        y = unwire(_prims.reduce_scatter_p(xm, wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype).movedim(
+            0, d
+        )
         y = y.contiguous()
     return y.squeeze(d) if not tiled else y
 
@@ -212,16 +214,16 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         all_reduce(x)                 # both: [4., 6.]
         all_reduce(x, op="max")       # both: [3., 4.]
     """
-    name = "funcoll.all_reduce"
-    x, group = local_input(name, x, group)
-    rop = check_reduce_op(name, op)
-    if rop == "avg" and not x.dtype.is_floating_point:
-        raise ValueError(f"{name}: `op`='avg' needs a floating dtype, got {x.dtype}")
-    g = resolve_group(name, group)
-    check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(rop), 0))
+    opname = "funcoll.all_reduce"
+    x, group = local_input(opname, x, group)
+    reduce_op = check_reduce_op(opname, op)
+    if reduce_op == "avg" and not x.dtype.is_floating_point:
+        raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    g = resolve_group(opname, group)
+    check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
     if g.is_single:
         return fresh(x)
-    return unwire(_prims.all_reduce_p(wire(x), wire_op(rop, x.dtype), g.name, g.size), x.dtype)
+    return unwire(_prims.all_reduce_p(wire(x), wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
 
 
 def split_sizes(total: int, world: int) -> list[int]:
@@ -238,14 +240,14 @@ def split_sizes(total: int, world: int) -> list[int]:
         split_sizes(7, 3)   # [3, 2, 2]
         split_sizes(1, 2)   # [1, 0]
     """
-    name = "funcoll.split_sizes"
+    opname = "funcoll.split_sizes"
     for arg, v in (("total", total), ("world", world)):
         if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool):
-            raise TypeError(f"{name}: `{arg}` must be an int, got {type(v).__name__}")
+            raise TypeError(f"{opname}: `{arg}` must be an int, got {type(v).__name__}")
     if not isinstance(total, torch.SymInt) and total < 0:
-        raise ValueError(f"{name}: `total`={total} must be >= 0")
+        raise ValueError(f"{opname}: `total`={total} must be >= 0")
     if world < 1:
-        raise ValueError(f"{name}: `world`={world} must be >= 1")
+        raise ValueError(f"{opname}: `world`={world} must be >= 1")
     return tensor_split_sizes(total, world)
 
 
@@ -305,31 +307,31 @@ def all_to_all(
         # rank 0: x = [[1, 2], [5, 6]]  rank 1: x = [[3], [7]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
     """
-    name = "funcoll.all_to_all"
-    x, group = local_input(name, x, group)
-    s = check_dim(name, x, scatter_dim, "scatter_dim")
-    gd = check_dim(name, x, gather_dim, "gather_dim")
-    g = resolve_group(name, group)
+    opname = "funcoll.all_to_all"
+    x, group = local_input(opname, x, group)
+    s = check_dim(opname, x, scatter_dim, "scatter_dim")
+    gd = check_dim(opname, x, gather_dim, "gather_dim")
+    g = resolve_group(opname, group)
     if scatter_sizes is None:
         pieces = tensor_split_sizes(x.shape[s], g.size)
     else:
-        pieces = check_sizes(name, "scatter_sizes", scatter_sizes, g.size, tensors=False)
-        check_total(name, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
+        pieces = check_sizes(opname, "scatter_sizes", scatter_sizes, g.size, tensors=False)
+        check_total(opname, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
     widths = (
         None
         if gather_sizes is None
-        else check_sizes(name, "gather_sizes", gather_sizes, g.size, tensors=False)
+        else check_sizes(opname, "gather_sizes", gather_sizes, g.size, tensors=False)
     )
     if widths is not None:
         w, n = widths[g.rank], x.shape[gd]
-        says = f"{name}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}"
+        says = f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}"
         if torch.compiler.is_compiling():  # SymInts look like ints to dynamo: assert at run time
             torch._check(w == n, lambda: f"{says}, but its x.shape[{gd}] differs")
         elif w != n:
             raise ValueError(f"{says}, but its x.shape[{gd}]={n}")
         if s == gd and len(set(widths)) > 1:
             raise ValueError(
-                f"{name}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
+                f"{opname}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
                 f"all-to-all along one dim is funcoll.all_to_all_v"
             )
     expected = widths if widths is not None else [x.shape[gd]] * g.size
@@ -364,17 +366,17 @@ def _static_equal(sizes: Sequence[IntLike]) -> bool:
     return all(isinstance(n, int) for n in sizes) and len(set(sizes)) == 1
 
 
-def _check_perm(name: str, perm: object, size: int) -> list[tuple[int, int]]:
+def _check_perm(opname: str, perm: object, size: int) -> list[tuple[int, int]]:
     if not isinstance(perm, (list, tuple)):
-        raise TypeError(f"{name}: `perm` must be a list of (src, dst) pairs, got {type(perm).__name__}")
+        raise TypeError(f"{opname}: `perm` must be a list of (src, dst) pairs, got {type(perm).__name__}")
     pairs = []
     for p in perm:
         if not isinstance(p, (list, tuple)) or len(p) != 2:
-            raise ValueError(f"{name}: `perm` entries must be (src, dst) pairs, got {p!r}")
-        pairs.append((check_rank(name, "perm", p[0], size), check_rank(name, "perm", p[1], size)))
+            raise ValueError(f"{opname}: `perm` entries must be (src, dst) pairs, got {p!r}")
+        pairs.append((check_rank(opname, "perm", p[0], size), check_rank(opname, "perm", p[1], size)))
     srcs, dsts = [p[0] for p in pairs], [p[1] for p in pairs]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(f"{name}: `perm`={perm!r} sends from or to some rank twice")
+        raise ValueError(f"{opname}: `perm`={perm!r} sends from or to some rank twice")
     return pairs
 
 
@@ -400,10 +402,10 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
         ppermute(x, [(0, 1)])         # rank 0: [0., 0.]      rank 1: [1., 1.]
         ppermute(x, [(0, 1), (1, 0)]) # rank 0: [2., 2.]      rank 1: [1., 1.]
     """
-    name = "funcoll.ppermute"
-    x, group = local_input(name, x, group)
-    g = resolve_group(name, group)
-    pairs = _check_perm(name, perm, g.size)
+    opname = "funcoll.ppermute"
+    x, group = local_input(opname, x, group)
+    g = resolve_group(opname, group)
+    pairs = _check_perm(opname, perm, g.size)
     dsts = [-1] * g.size  # the destination of every rank, -1 for none: what the check compares
     for src_rank, dst_rank in pairs:
         dsts[src_rank] = dst_rank
@@ -448,10 +450,10 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
         # rank 0: x = [1., 2.]        rank 1: x = [0., 0.]
         broadcast(x, src=0)           # both: [1., 2.]
     """
-    name = "funcoll.broadcast"
-    x, group = local_input(name, x, group)
-    g = resolve_group(name, group)
-    check_rank(name, "src", src, g.size)
+    opname = "funcoll.broadcast"
+    x, group = local_input(opname, x, group)
+    g = resolve_group(opname, group)
+    check_rank(opname, "src", src, g.size)
     check_agreement("broadcast", x, g, args=(src, 0))
     if g.is_single:
         return fresh(x)

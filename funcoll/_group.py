@@ -49,26 +49,26 @@ def _from_process_group(pg: dist.ProcessGroup) -> Group:
     return Group(name=pg.group_name, size=pg.size(), rank=pg.rank())
 
 
-def _mesh_group(op: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> dist.ProcessGroup:
+def _mesh_group(opname: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> dist.ProcessGroup:
     if mesh_dim is None:
         if mesh.ndim != 1:
             raise ValueError(
-                f"{op}: `group` is a {mesh.ndim}-D DeviceMesh; pass `(mesh, mesh_dim)` to pick "
+                f"{opname}: `group` is a {mesh.ndim}-D DeviceMesh; pass `(mesh, mesh_dim)` to pick "
                 f"the mesh dim to communicate over (mesh dims: {mesh.mesh_dim_names})"
             )
         return mesh.get_group()
     if isinstance(mesh_dim, str):
         names = mesh.mesh_dim_names or ()
         if mesh_dim not in names:
-            raise ValueError(f"{op}: `group` names mesh dim {mesh_dim!r}, which is not one of {names}")
+            raise ValueError(f"{opname}: `group` names mesh dim {mesh_dim!r}, which is not one of {names}")
         return mesh.get_group(mesh_dim)
     if not isinstance(mesh_dim, int) or isinstance(mesh_dim, bool):
         raise TypeError(
-            f"{op}: `group` as (DeviceMesh, mesh_dim) needs an int or str mesh_dim, got "
+            f"{opname}: `group` as (DeviceMesh, mesh_dim) needs an int or str mesh_dim, got "
             f"{type(mesh_dim).__name__}"
         )
     if not -mesh.ndim <= mesh_dim < mesh.ndim:
-        raise ValueError(f"{op}: `group` mesh_dim={mesh_dim} is out of range for a {mesh.ndim}-D mesh")
+        raise ValueError(f"{opname}: `group` mesh_dim={mesh_dim} is out of range for a {mesh.ndim}-D mesh")
     return mesh.get_group(mesh_dim % mesh.ndim)
 
 
@@ -79,54 +79,54 @@ def _is_process_group(group: object) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _size_and_rank_of(name: str) -> tuple[int, int] | None:
-    """(size, rank) of the process group called `name`, or None if there is none.
+def _size_and_rank_of(group_name: str) -> tuple[int, int] | None:
+    """(size, rank) of the process group called `group_name`, or None if there is none.
 
     c10d resolves names in C++, which dynamo cannot trace; marked as a constant
     result, this runs once when a compiled region is traced, and the name (a
     Python string) is guarded on like any constant.
     """
     try:
-        pg = dist.distributed_c10d._resolve_process_group(name)
+        pg = dist.distributed_c10d._resolve_process_group(group_name)
     except Exception:  # noqa: BLE001 -- c10d raises RuntimeError/ValueError by version
         return None
     return pg.size(), pg.rank()
 
 
-def resolve_group(op: str, group: GroupLike) -> Group:
-    """Canonicalise `group` for op `op` (the op's name is used in error messages).
+def resolve_group(opname: str, group: GroupLike) -> Group:
+    """Canonicalise `group` for the op called `opname` (its public name, for error messages).
 
     Every form resolves inside a compiled region too, with no graph break: the
     group is a constant of the trace, so the graph holds its name as a string.
     """
     if isinstance(group, DeviceMesh):
-        return _from_process_group(_mesh_group(op, group, None))
+        return _from_process_group(_mesh_group(opname, group, None))
     if isinstance(group, tuple):
         if len(group) != 2 or not isinstance(group[0], DeviceMesh):
-            raise TypeError(f"{op}: `group` as a tuple must be (DeviceMesh, mesh_dim), got {group!r}")
-        return _from_process_group(_mesh_group(op, group[0], group[1]))
+            raise TypeError(f"{opname}: `group` as a tuple must be (DeviceMesh, mesh_dim), got {group!r}")
+        return _from_process_group(_mesh_group(opname, group[0], group[1]))
     is_pg = _is_process_group(group)
     if group is not None and not is_pg and not isinstance(group, str):
         if dist.is_available() and group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError(
-                f"{op}: this rank is not a member of `group` (new_group returned "
+                f"{opname}: this rank is not a member of `group` (new_group returned "
                 f"GroupMember.NON_GROUP_MEMBER here); only the group's ranks may call the op"
             )
         raise TypeError(
-            f"{op}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
+            f"{opname}: `group` must be None, a ProcessGroup, a DeviceMesh, (DeviceMesh, mesh_dim) or a "
             f"group name, got {type(group).__name__}"
         )
     if not dist.is_available() or not dist.is_initialized():
         if group is None:
             return Group.single()
-        raise ValueError(f"{op}: `group`={group!r} was given but torch.distributed is not initialized")
+        raise ValueError(f"{opname}: `group`={group!r} was given but torch.distributed is not initialized")
     if group is None:
         return _from_process_group(dist.group.WORLD)
     if is_pg:
         return _from_process_group(group)  # type: ignore[arg-type]
     size_rank = _size_and_rank_of(group)
     if size_rank is None:
-        raise ValueError(f"{op}: `group`={group!r} is not the name of a known process group")
+        raise ValueError(f"{opname}: `group`={group!r} is not the name of a known process group")
     return Group(name=group, size=size_rank[0], rank=size_rank[1])
 
 

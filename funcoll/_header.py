@@ -65,7 +65,7 @@ def _shape_columns(x: Tensor, dim: int) -> list:
 
 
 def exchange(
-    opname: str,
+    key: str,
     x: Tensor,
     dim: int | None,
     g: Group,
@@ -91,7 +91,7 @@ def exchange(
     """
     d = -1 if dim is None else dim
     row = [
-        CODES[opname], x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
+        CODES[key], x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
         0 if dim is None else x.shape[dim], args[0], args[1], *_shape_columns(x, d),
     ]  # fmt: skip
     header = torch.tensor(row, dtype=torch.int64, device=x.device)
@@ -102,13 +102,13 @@ def exchange(
         tail = torch.cat([tail, tail.new_zeros(TAIL * g.size - tail.shape[0])])
     header = torch.cat([header, tail])
     table = _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
-    return table, host_ints(table, opname, g.rank)
+    return table, host_ints(table, key, g.rank)
 
 
-def host_ints(t: Tensor, opname: str = "", rank: int = 0) -> list[IntLike]:
+def host_ints(t: Tensor, key: str = "", rank: int = 0) -> list[IntLike]:
     """The ints a ragged call needs on the host, from a gathered header table or a sizes tensor.
 
-    With an `opname`, `t` is the gathered header table: it is checked (raising on
+    With a `key` (the op's name in ``HEADERS``), `t` is the gathered header table: it is checked (raising on
     every rank if they disagree) and reduced to the sizes the op needs. Without,
     `t` is a 1-d int tensor of sizes, returned as is.
 
@@ -118,24 +118,24 @@ def host_ints(t: Tensor, opname: str = "", rank: int = 0) -> list[IntLike]:
     are read off the shapes, so no scalar read (and no sync of its own) enters the graph.
     """
     if not torch.compiler.is_compiling():
-        return _read(t, opname, rank)
-    ints = [c.shape[0] for c in torch.ops.funcoll.host_ints(t, opname, rank)]
+        return _read(t, key, rank)
+    ints = [c.shape[0] for c in torch.ops.funcoll.host_ints(t, key, rank)]
     for n in ints:
         torch._check(n >= 0)
     return ints
 
 
-def _read(t: Tensor, opname: str, rank: int) -> list[int]:
+def _read(t: Tensor, key: str, rank: int) -> list[int]:
     values = t.tolist()  # device-to-host sync (none for a CPU tensor): the one per ragged call
-    if not opname:
+    if not key:
         return values
-    _check_rows(opname, values, rank)
-    return HEADERS[opname].reads.read(values, rank)
+    _check_rows(key, values, rank)
+    return HEADERS[key].reads.read(values, rank)
 
 
-def _n_ints(opname: str, world: int) -> int:
-    """How many ints `_read` returns for `opname` at `world` ranks."""
-    return world if not opname else HEADERS[opname].reads.count(world)
+def _n_ints(key: str, world: int) -> int:
+    """How many ints `_read` returns for the op `key` at `world` ranks."""
+    return world if not key else HEADERS[key].reads.count(world)
 
 
 def split_stats(ints: list[IntLike], world: int) -> tuple[list[IntLike], Stats]:
@@ -148,14 +148,14 @@ def split_stats(ints: list[IntLike], world: int) -> tuple[list[IntLike], Stats]:
 
 
 @torch.library.custom_op("funcoll::host_ints", mutates_args=())
-def _host_ints_op(t: Tensor, opname: str, rank: int) -> list[Tensor]:
-    return [torch.empty((n, 0), dtype=torch.uint8) for n in _read(t, opname, rank)]
+def _host_ints_op(t: Tensor, key: str, rank: int) -> list[Tensor]:
+    return [torch.empty((n, 0), dtype=torch.uint8) for n in _read(t, key, rank)]
 
 
 @_host_ints_op.register_fake
-def _host_ints_fake(t: Tensor, opname: str, rank: int) -> list[Tensor]:
+def _host_ints_fake(t: Tensor, key: str, rank: int) -> list[Tensor]:
     ctx = torch.library.get_ctx()
-    n = _n_ints(opname, t.shape[0])
+    n = _n_ints(key, t.shape[0])
     return [torch.empty((ctx.new_dynamic_size(), 0), dtype=torch.uint8, device="cpu") for _ in range(n)]
 
 
@@ -166,42 +166,48 @@ def _describe(row: list[int]) -> str:
     return f"shape {tuple(shape)} {dtype}".replace("torch.", "")
 
 
-def _disagree(op: str, rows: list[list[int]], what: str, key: Callable[[list[int]], object],
+def _disagree(opname: str, rows: list[list[int]], what: str, key: Callable[[list[int]], object],
               show: Callable[[list[int]], object]) -> None:  # fmt: skip
     """Raise on every rank if the ranks' rows differ in `key`, showing each rank's `show`."""
     if len({key(r) for r in rows}) > 1:
         detail = ", ".join(f"rank {i}: {show(r)}" for i, r in enumerate(rows))
-        raise ValueError(f"{op}: ranks disagree on {what} ({detail})")
+        raise ValueError(f"{opname}: ranks disagree on {what} ({detail})")
 
 
-def _check_rows(opname: str, rows: list[list[int]], rank: int) -> None:
-    op = f"funcoll.{opname}"
-    spec = HEADERS[opname]
+def _check_rows(key: str, rows: list[list[int]], rank: int) -> None:
+    opname = f"funcoll.{key}"
+    spec = HEADERS[key]
     if len({r[OP] for r in rows}) > 1:
         called = [_BY_CODE[r[OP]] if 0 <= r[OP] < len(_BY_CODE) else None for r in rows]
         names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
         kind = "ragged ops" if all(h is None or not h.check_only for h in called) else "ops"
-        raise ValueError(f"{op}: ranks called different {kind} at the same point ({names})")
+        raise ValueError(f"{opname}: ranks called different {kind} at the same point ({names})")
     dim_name = spec.varying_dim
-    _disagree(op, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
-    _disagree(op, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
+    _disagree(opname, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
+    _disagree(opname, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
     _disagree(
-        op, rows, "`x`.dtype", lambda r: r[DTYPE], lambda r: _describe(r).split()[-1] + f" ({_describe(r)})"
+        opname,
+        rows,
+        "`x`.dtype",
+        lambda r: r[DTYPE],
+        lambda r: _describe(r).split()[-1] + f" ({_describe(r)})",
     )
     rest = "" if rows[0][DIM] < 0 else f" apart from {dim_name}"
-    _disagree(op, rows, f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
+    _disagree(opname, rows, f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
     for col, arg in zip((ARG0, ARG1), spec.args, strict=True):
         if arg is not None:
-            _disagree(op, rows, f"`{arg.name}`", lambda r, c=col: r[c], lambda r, c=col, a=arg: a.show(r[c]))
+            _disagree(
+                opname, rows, f"`{arg.name}`", lambda r, c=col: r[c], lambda r, c=col, a=arg: a.show(r[c])
+            )
     if len({r[GRAD] for r in rows}) > 1:
         on = [i for i, r in enumerate(rows) if r[GRAD]]
         off = [i for i, r in enumerate(rows) if not r[GRAD]]
         raise ValueError(
-            f"{op}: `x` requires grad on ranks {on} but not on ranks {off}; the backward is a "
+            f"{opname}: `x` requires grad on ranks {on} but not on ranks {off}; the backward is a "
             f"collective that every rank must join, so all ranks or none must require grad"
         )
     for check in spec.checks:
-        check(op, rows)
+        check(opname, rows)
 
 
 # ------------------------------------------------------------ what each op's header says
@@ -250,55 +256,55 @@ def _tails(rows: list[list[int]], first: int = 0) -> list[list[int]]:
     return [r[WIDTH + first * world : WIDTH + (first + 1) * world] for r in rows]
 
 
-def _same_tails(op: str, rows: list[list[int]], message: str, first: int = 0,
+def _same_tails(opname: str, rows: list[list[int]], message: str, first: int = 0,
                 show: Callable[[list[int]], object] = lambda t: t) -> None:  # fmt: skip
     tails = _tails(rows, first)
     if len({tuple(t) for t in tails}) > 1:
         detail = ", ".join(f"rank {i}: {show(t)}" for i, t in enumerate(tails))
-        raise ValueError(f"{op}: {message.format(detail=detail, dim=rows[0][DIM])}")
+        raise ValueError(f"{opname}: {message.format(detail=detail, dim=rows[0][DIM])}")
 
 
-def _check_send_sizes(op: str, rows: list[list[int]]) -> None:
+def _check_send_sizes(opname: str, rows: list[list[int]]) -> None:
     for i, (r, send) in enumerate(zip(rows, _tails(rows), strict=True)):
         if any(s < 0 for s in send) or sum(send) != r[SIZE]:
             raise ValueError(
-                f"{op}: rank {i} has `send_sizes`={send}, which must be {len(rows)} non-negative "
+                f"{opname}: rank {i} has `send_sizes`={send}, which must be {len(rows)} non-negative "
                 f"ints summing to x.shape[dim]={r[SIZE]}"
             )
 
 
-def _check_perm(op: str, rows: list[list[int]]) -> None:
+def _check_perm(opname: str, rows: list[list[int]]) -> None:
     # the tail holds every rank's destination, -1 for none: shown as (src, dst) pairs
     pairs = lambda t: [(i, d) for i, d in enumerate(t) if d >= 0]  # noqa: E731
-    _same_tails(op, rows, "ranks disagree on `perm` ({detail})", show=pairs)
+    _same_tails(opname, rows, "ranks disagree on `perm` ({detail})", show=pairs)
 
 
-def _check_gather_widths(op: str, rows: list[list[int]]) -> None:
+def _check_gather_widths(opname: str, rows: list[list[int]]) -> None:
     _same_tails(
-        op, rows, "ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})", first=1
+        opname, rows, "ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})", first=1
     )
     _same_tails(
-        op, rows, "ranks disagree on every rank's length along gather_dim {dim} ({detail}); when "
+        opname, rows, "ranks disagree on every rank's length along gather_dim {dim} ({detail}); when "
         "x.shape[gather_dim] differs between ranks, pass the same `gather_sizes` on every rank",
     )  # fmt: skip
     expected = _tails(rows)[0]
     for i, r in enumerate(rows):
         if r[SIZE] != expected[i]:
             raise ValueError(
-                f"{op}: rank {i} has x.shape[{r[DIM]}]={r[SIZE]}, but the ranks expect {expected[i]} "
+                f"{opname}: rank {i} has x.shape[{r[DIM]}]={r[SIZE]}, but the ranks expect {expected[i]} "
                 f"there (`gather_sizes` or, without it, every rank's own length)"
             )
 
 
-def _check_slice_sizes(op: str, rows: list[list[int]]) -> None:
+def _check_slice_sizes(opname: str, rows: list[list[int]]) -> None:
     if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
-        _disagree(op, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
-    _same_tails(op, rows, "ranks disagree on `sizes` ({detail})")
-    _disagree(op, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
+        _disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
+    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    _disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
     sizes = _tails(rows)[0]
     if any(n < 0 for n in sizes) or sum(sizes) != rows[0][SIZE]:
         raise ValueError(
-            f"{op}: `sizes`={sizes} must be {len(rows)} non-negative ints summing to x.shape[dim]={rows[0][SIZE]}"
+            f"{opname}: `sizes`={sizes} must be {len(rows)} non-negative ints summing to x.shape[dim]={rows[0][SIZE]}"
         )
 
 
@@ -360,7 +366,7 @@ CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}
 
 
 def check_agreement(
-    opname: str,
+    key: str,
     x: Tensor,
     g: Group,
     dim: int | None = None,
@@ -378,13 +384,13 @@ def check_agreement(
     if not checks_enabled() or g.is_single:
         return
     tail = None if sizes is None else torch.tensor(list(sizes), dtype=torch.int64)
-    _, ints = exchange(opname, x, dim, g, args, tail)
+    _, ints = exchange(key, x, dim, g, args, tail)
     # In a compiled graph the read is an op whose outputs nothing else uses. 2.13's
     # aot_eager and inductor keep it anyway (compile_tests/test_checked_ops.py);
     # the runtime assert ties it to the trace so that no dead-code pass can drop the
     # check. A check-only op reads back x.dim(); the even reduce_scatter, whose
     # header is the ragged one's, its first slice size.
-    first = x.dim() if HEADERS[opname].check_only else next(iter(sizes or [0]))
+    first = x.dim() if HEADERS[key].check_only else next(iter(sizes or [0]))
     torch._check(ints[0] == first)
 
 

@@ -132,13 +132,13 @@ def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
     return _ReduceScatter.apply(x, reduce_op, group_name, world)
 
 
-def _scale_for_op(opname: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
+def _scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
     if reduce_op == "sum":
         return g
     if reduce_op == "avg":
         return g / world
     raise NotImplementedError(
-        f"funcoll.{opname}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
+        f"funcoll.{key}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
     )
 
 

@@ -34,32 +34,32 @@ from ._wire import unwire, wire, wire_op
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather"]
 
 
-def _check_strategy(op: str, strategy: object) -> int:
+def _check_strategy(opname: str, strategy: object) -> int:
     if strategy not in STRATEGIES:
-        raise ValueError(f"{op}: `strategy`={strategy!r} is not one of {STRATEGIES}")
+        raise ValueError(f"{opname}: `strategy`={strategy!r} is not one of {STRATEGIES}")
     return STRATEGIES.index(strategy)  # type: ignore[arg-type]
 
 
-def as_rows(op: str, x: Tensor, dim: object) -> tuple[Tensor, int, int | None]:
+def as_rows(opname: str, x: Tensor, dim: object) -> tuple[Tensor, int, int | None]:
     """(x, dim, ndim): a 0-d `x` as one row along dim 0, with ndim 0 for the header.
 
     A per-rank scalar (a loss, a count) is gathered as a stack: ``(world,)``.
     """
     if x.dim() > 0:
-        return x, check_dim(op, x, dim), None
+        return x, check_dim(opname, x, dim), None
     if isinstance(dim, int) and not isinstance(dim, bool) and dim not in (0, -1):
         raise ValueError(
-            f"{op}: `dim`={dim} is out of range for a 0-d tensor, gathered as one row (dim 0 or -1)"
+            f"{opname}: `dim`={dim} is out of range for a 0-d tensor, gathered as one row (dim 0 or -1)"
         )
-    check_dim(op, x.reshape(1), dim)  # a dim that is no int
+    check_dim(opname, x.reshape(1), dim)  # a dim that is no int
     return x.reshape(1), 0, 0
 
 
 def ragged_all_gather(
-    opname: str, x: Tensor, dim: int, g: Group, strategy: str = "auto", ndim: int | None = None
+    key: str, x: Tensor, dim: int, g: Group, strategy: str = "auto", ndim: int | None = None
 ) -> tuple[Tensor, list[IntLike], Tensor]:
     """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
-    table, ints = exchange(opname, x, dim, g, args=(-1, STRATEGIES.index(strategy)), ndim=ndim)
+    table, ints = exchange(key, x, dim, g, args=(-1, STRATEGIES.index(strategy)), ndim=ndim)
     sizes, stats = split_stats(ints, g.size)
     y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
@@ -117,21 +117,21 @@ def gather(
         gather(x)            # both: [0.5, 2.0]
         # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
-    op = "funcoll.gather"
-    x, group = local_input(op, x, group)
-    x, d, ndim = as_rows(op, x, dim)
-    strat = _check_strategy(op, strategy)
-    g = resolve_group(op, group)
+    opname = "funcoll.gather"
+    x, group = local_input(opname, x, group)
+    x, d, ndim = as_rows(opname, x, dim)
+    strat = _check_strategy(opname, strategy)
+    g = resolve_group(opname, group)
     if dst is not None:
-        check_rank(op, "dst", dst, g.size)
+        check_rank(opname, "dst", dst, g.size)
     if g.is_single:
-        _refuse_grad_to_dst(op, x, dst)
+        _refuse_grad_to_dst(opname, x, dst)
         return fresh(x)
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy, ndim)[0]
     _, ints = exchange("gather", x, d, g, args=(dst, strat), ndim=ndim)
     sizes = ints[: g.size]
-    _refuse_grad_to_dst(op, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
+    _refuse_grad_to_dst(opname, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
     n = sizes[g.rank]
     torch._check(xm.shape[0] == n)
@@ -144,10 +144,10 @@ def gather(
     return got if d == 0 else got.movedim(0, d).contiguous()
 
 
-def _refuse_grad_to_dst(op: str, x: Tensor, dst: int | None) -> None:
+def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
     if dst is not None and x.requires_grad and torch.is_grad_enabled():
         raise ValueError(
-            f"{op}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
+            f"{opname}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
             f"never join the backward scatter. Use dst=None, or pass x.detach()"
         )
 
@@ -173,11 +173,11 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
         # rank 0: x = [1.5, 2.3]      rank 1: x = [5.3]
         all_gather_list(x)            # both: [tensor([1.5, 2.3]), tensor([5.3])]
     """
-    op = "funcoll.all_gather_list"
-    x, group = local_input(op, x, group)
+    opname = "funcoll.all_gather_list"
+    x, group = local_input(opname, x, group)
     x0 = x
-    x, d, ndim = as_rows(op, x, dim)
-    g = resolve_group(op, group)
+    x, d, ndim = as_rows(opname, x, dim)
+    g = resolve_group(opname, group)
     if g.is_single:
         return [fresh(x0)]
     _, ints = exchange("all_gather_list", x, d, g, args=(-1, STRATEGIES.index("auto")), ndim=ndim)
@@ -208,19 +208,19 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
         # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
         all_gather_ragged(x)   # both: ([[1, 2], [3, 4], [5, 6]], tensor([2, 1]))
     """
-    op = "funcoll.all_gather_ragged"
-    x, group = local_input(op, x, group)
-    x, d, ndim = as_rows(op, x, dim)
-    g = resolve_group(op, group)
+    opname = "funcoll.all_gather_ragged"
+    x, group = local_input(opname, x, group)
+    x, d, ndim = as_rows(opname, x, dim)
+    g = resolve_group(opname, group)
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
     y, _, table = ragged_all_gather("all_gather_ragged", x, d, g, ndim=ndim)
     return y, table[:, SIZE].clone()
 
 
-def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
+def _host_sizes(opname: str, arg: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
     """`sizes` (checked by ``check_sizes``) as world host ints; from a tensor, unbacked SymInts in a graph."""
-    sizes = check_sizes(op, name, sizes, world)
+    sizes = check_sizes(opname, arg, sizes, world)
     if not isinstance(sizes, Tensor):
         return sizes
     values = host_ints(
@@ -228,15 +228,15 @@ def _host_sizes(op: str, name: str, sizes: Sequence[int] | Tensor, world: int) -
     )  # a device-to-host sync for a device tensor: the sizes shape the output
     if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
         return values
-    return check_sizes(op, name, values, world)  # the values: a negative one is a ValueError
+    return check_sizes(opname, arg, values, world)  # the values: a negative one is a ValueError
 
 
-def _check_total(op: str, name: str, sizes: list[IntLike], x: Tensor, dim: int) -> None:
-    check_total(op, name, sizes, x.shape[dim], f"x.shape[{dim}]")
+def _check_total(opname: str, arg: str, sizes: list[IntLike], x: Tensor, dim: int) -> None:
+    check_total(opname, arg, sizes, x.shape[dim], f"x.shape[{dim}]")
 
 
 def reduce_scatter_v(
-    op: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor, rop: str, g: Group
+    opname: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor, reduce_op: str, g: Group
 ) -> Tensor:
     """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument).
 
@@ -246,23 +246,23 @@ def reduce_scatter_v(
     if isinstance(sizes, Tensor) and sizes.device.type != "cpu":
         # Kept on its device: the header exchange carries it, and the one sync of the
         # call (reading the gathered header) checks it, on every rank.
-        given, sizes_t = None, check_sizes(op, "sizes", sizes, g.size)
+        given, sizes_t = None, check_sizes(opname, "sizes", sizes, g.size)
     else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
-        given = _host_sizes(op, "sizes", sizes, g.size)
-        _check_total(op, "sizes", given, x, dim)
+        given = _host_sizes(opname, "sizes", sizes, g.size)
+        _check_total(opname, "sizes", given, x, dim)
         sizes_t = torch.tensor(given, dtype=torch.int64)
     if g.is_single:
         if given is None:
-            _check_total(op, "sizes", _host_sizes(op, "sizes", sizes_t, 1), x, dim)
+            _check_total(opname, "sizes", _host_sizes(opname, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
-    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(rop), 1), sizes=sizes_t)
+    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(reduce_op), 1), sizes=sizes_t)
     sz, stats = split_stats(ints, g.size)
     if given is not None:  # the sizes were static here: keep them static in a compiled graph
         for u, n in zip(sz, given, strict=False):
             torch._check(u == n)
         sz, stats = given, (min(given), max(given), sum(given))
     torch._check(sum(sz) == x.shape[dim])
-    xm, wop = wire(x).movedim(dim, 0), wire_op(rop, x.dtype)
+    xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
     y = _prims.reduce_scatter_v_p(xm, sz, wop, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
@@ -305,28 +305,28 @@ def all_to_all_v(
         all_to_all_v(x, send_sizes)
         # rank 0: ([1, 4, 5], tensor([1, 2]))   rank 1: ([2, 3], tensor([2, 0]))
     """
-    op = "funcoll.all_to_all_v"
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
-    g = resolve_group(op, group)
+    opname = "funcoll.all_to_all_v"
+    x, group = local_input(opname, x, group)
+    d = check_dim(opname, x, dim)
+    g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):
-            send_t = check_sizes(op, "send_sizes", send_sizes, g.size)
+            send_t = check_sizes(opname, "send_sizes", send_sizes, g.size)
         else:
-            sz = _host_sizes(op, "send_sizes", send_sizes, g.size)
-            _check_total(op, "send_sizes", sz, x, d)
+            sz = _host_sizes(opname, "send_sizes", send_sizes, g.size)
+            _check_total(opname, "send_sizes", sz, x, d)
             send_t = torch.tensor(sz, dtype=torch.int64)
         if g.is_single:
-            _check_total(op, "send_sizes", _host_sizes(op, "send_sizes", send_t, 1), x, d)
+            _check_total(opname, "send_sizes", _host_sizes(opname, "send_sizes", send_t, 1), x, d)
             return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
         recv_t = table[:, WIDTH + g.rank].clone()
     else:
-        both = _host_sizes_pair(op, send_sizes, recv_sizes, g.size)
+        both = _host_sizes_pair(opname, send_sizes, recv_sizes, g.size)
         send, recv = both[: g.size], both[g.size :]
-        _check_total(op, "send_sizes", send, x, d)
+        _check_total(opname, "send_sizes", send, x, d)
         if isinstance(recv_sizes, Tensor):
             recv_t = fresh(recv_sizes.to(device=x.device, dtype=torch.int64))
         else:
@@ -335,7 +335,7 @@ def all_to_all_v(
             if torch.compiler.is_compiling():
                 torch._check(recv[0] == send[0])
             elif recv != send:
-                raise ValueError(f"{op}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
+                raise ValueError(f"{opname}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
     y = unwire(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype)
@@ -343,11 +343,11 @@ def all_to_all_v(
 
 
 def _host_sizes_pair(
-    op: str, send: Sequence[int] | Tensor, recv: Sequence[int] | Tensor, world: int
+    opname: str, send: Sequence[int] | Tensor, recv: Sequence[int] | Tensor, world: int
 ) -> list[int]:
     if isinstance(send, Tensor) and isinstance(recv, Tensor):
-        check_sizes(op, "send_sizes", send, world)
-        check_sizes(op, "recv_sizes", recv, world)
+        check_sizes(opname, "send_sizes", send, world)
+        check_sizes(opname, "recv_sizes", recv, world)
         both = torch.cat([send.reshape(-1), recv.to(send.device).reshape(-1)])
-        return _host_sizes(op, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
-    return _host_sizes(op, "send_sizes", send, world) + _host_sizes(op, "recv_sizes", recv, world)
+        return _host_sizes(opname, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
+    return _host_sizes(opname, "send_sizes", send, world) + _host_sizes(opname, "recv_sizes", recv, world)

@@ -28,24 +28,24 @@ __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 GradScale = Literal["up", "down"] | float | None
 
 
-def _check_grad_scale(op: str, grad_scale: object) -> str | None:
+def _check_grad_scale(opname: str, grad_scale: object) -> str | None:
     # OpenSora's split_forward_gather_backward defaults to 1.0, which its backward
     # treats as "no scaling"; accept 1.0 as None for compatibility.
     if grad_scale is None or (isinstance(grad_scale, float) and grad_scale == 1.0):
         return None
     if grad_scale in ("up", "down"):
         return grad_scale  # type: ignore[return-value]
-    raise ValueError(f"{op}: `grad_scale`={grad_scale!r} must be 'up', 'down' or None (1.0 means None)")
+    raise ValueError(f"{opname}: `grad_scale`={grad_scale!r} must be 'up', 'down' or None (1.0 means None)")
 
 
 def _region_args(
-    op: str, x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale
+    opname: str, x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale
 ) -> tuple[Tensor, int, str | None, Group]:
     """The checks both region ops make, in order: x (a DTensor's local shard), dim, grad_scale, group."""
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
-    scale = _check_grad_scale(op, grad_scale)
-    return x, d, scale, resolve_group(op, group)
+    x, group = local_input(opname, x, group)
+    d = check_dim(opname, x, dim)
+    scale = _check_grad_scale(opname, grad_scale)
+    return x, d, scale, resolve_group(opname, group)
 
 
 def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:

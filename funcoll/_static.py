@@ -30,7 +30,7 @@ __all__ = ["all_to_all_padded", "gather_padded"]
 
 
 def _counts_tensor(
-    op: str, name: str, value: object, count: int, bound: int | torch.SymInt, device: torch.device,
+    opname: str, arg: str, value: object, count: int, bound: int | torch.SymInt, device: torch.device,
     per_rank: bool,
 ) -> Tensor:  # fmt: skip
     """`value` (`count` row counts, each in ``[0, bound]``) as an int64 tensor of shape (count,) on `device`.
@@ -40,7 +40,7 @@ def _counts_tensor(
     after the header exchange; ints are range-checked here, before any communication.
     """
     checked = check_sizes(
-        op, name, value, count if per_rank else None, bound=bound, bound_text=spec(op).limit
+        opname, arg, value, count if per_rank else None, bound=bound, bound_text=spec(opname).limit
     )
     if isinstance(checked, Tensor):
         # From another device (a CPU tensor for a CUDA x) the copy is queued, not waited for.
@@ -65,7 +65,7 @@ def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
     return torch.tensor(facts, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _exchange(op: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.SymInt, g: Group) -> Tensor:
+def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.SymInt, g: Group) -> Tensor:
     """All-gather every rank's `counts` with what the ranks must agree on, and check it on the device.
 
     Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
@@ -89,7 +89,7 @@ def _exchange(op: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.Sym
     agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
     torch._assert_async(
         agree,
-        f"{op}: every rank's row counts must lie in [0, {spec(op).limit}], and every rank's x must have the "
+        f"{opname}: every rank's row counts must lie in [0, {spec(opname).limit}], and every rank's x must have the "
         f"same shape and dtype (this rank: {x.dtype}, {x.dim()}-d, dim={d})",
     )
     return table
@@ -147,13 +147,13 @@ def gather_padded(
         # both: y = [[1], [2], [5], [0], [0], [0]], sizes = [2, 1]
         y[: sizes.sum()]   # both: [[1], [2], [5]]   (gather's result; rank 1's padding rows never show)
     """
-    op = "funcoll.gather_padded"
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
+    opname = "funcoll.gather_padded"
+    x, group = local_input(opname, x, group)
+    d = check_dim(opname, x, dim)
     bound = x.shape[d]
-    mine = _counts_tensor(op, "length", length, 1, bound, x.device, per_rank=False)
-    g = resolve_group(op, group)
-    sizes = _exchange(op, x, d, mine, bound, g)[:, 0]
+    mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
+    g = resolve_group(opname, group)
+    sizes = _exchange(opname, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
     blocks = xm if g.is_single else _prims.all_gather_p(xm, g.name, g.size)
     y = unwire(pack(blocks, sizes, bound, blocks.shape[0]), x.dtype)
@@ -213,20 +213,20 @@ def all_to_all_padded(
         # rank 0: y = [[1], [2], [4], [0]], recv_sizes = [2, 1]
         # rank 1: y = [[3], [5], [6], [0]], recv_sizes = [1, 2]
     """
-    op = "funcoll.all_to_all_padded"
-    x, group = local_input(op, x, group)
-    d = check_dim(op, x, dim)
-    g = resolve_group(op, group)
+    opname = "funcoll.all_to_all_padded"
+    x, group = local_input(opname, x, group)
+    d = check_dim(opname, x, dim)
+    g = resolve_group(opname, group)
     rows = x.shape[d]
     if isinstance(rows, int) and rows % g.size:
         raise ValueError(
-            f"{op}: `x` has {rows} rows along dim {d}, which {g.size} ranks do not divide into blocks "
+            f"{opname}: `x` has {rows} rows along dim {d}, which {g.size} ranks do not divide into blocks "
             f"of one capacity"
         )
     torch._check(rows % g.size == 0)
     cap = rows // g.size
-    send = _counts_tensor(op, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
-    table = _exchange(op, x, d, send, cap, g)
+    send = _counts_tensor(opname, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
+    table = _exchange(opname, x, d, send, cap, g)
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
     xm = wire(x).movedim(d, 0)
     blocks = xm if g.is_single else _prims.all_to_all_p(xm, [cap] * g.size, [cap] * g.size, g.name)

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 
-def wire_op(op: str, dtype: torch.dtype) -> str:
+def wire_op(reduce_op: str, dtype: torch.dtype) -> str:
     """The reduction to run on the wire: bool travels as uint8, where or is max and and is min."""
     if dtype == torch.bool:
-        return {"sum": "max", "product": "min"}.get(op, op)
-    return op
+        return {"sum": "max", "product": "min"}.get(reduce_op, reduce_op)
+    return reduce_op
 
 
 def wire(x: Tensor) -> Tensor:

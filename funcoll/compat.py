@@ -148,16 +148,16 @@ def all_gather_into_tensor(
         # rank r: inp = [float(r), float(r)]; out = torch.empty(2, 2)
         all_gather_into_tensor(out, inp)   # both: out == [[0., 0.], [1., 1.]]
     """
-    op = "funcoll.compat.all_gather_into_tensor"
-    g = resolve_group(op, group)
+    opname = "funcoll.compat.all_gather_into_tensor"
+    g = resolve_group(opname, group)
     if output_tensor.numel() != g.size * input_tensor.numel():
         raise ValueError(
-            f"{op}: `output_tensor` has {output_tensor.numel()} elements, expected world ({g.size}) "
+            f"{opname}: `output_tensor` has {output_tensor.numel()} elements, expected world ({g.size}) "
             f"x input ({input_tensor.numel()})"
         )
     if output_tensor.dtype != input_tensor.dtype:
         raise TypeError(
-            f"{op}: `output_tensor` is {output_tensor.dtype} but `input_tensor` is {input_tensor.dtype}"
+            f"{opname}: `output_tensor` is {output_tensor.dtype} but `input_tensor` is {input_tensor.dtype}"
         )
     result = _even.all_gather_into_tensor(input_tensor, group=group)
     output_tensor.copy_(result.view(output_tensor.shape))
