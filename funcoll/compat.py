@@ -5,8 +5,9 @@ and ragged sizes without padding on the wire. Every drop-in compiles with
 ``fullgraph=True`` (``compile_tests/``). What the originals do there, measured on
 torch 2.13 with gloo:
 
-- ``gather``, ``all_gather``, ``all_gather_nd``: do not compile (the size list
-  goes through ``.item()`` and in-place ``dist.all_gather`` into Python lists).
+- ``gather``, ``all_gather``, ``all_gather_nd``: do not compile (the sizes reach
+  the host through a sync per rank, and in-place ``dist.all_gather`` fills Python
+  lists).
 - OpenSora's ``all_to_all`` and the split/gather pair: do not compile (an
   ``autograd.Function`` that stores the ProcessGroup and calls in-place
   collectives into lists); they also need even splits, which the drop-ins do not.
