@@ -20,6 +20,7 @@ from ._even import (
 from ._group import Group, GroupLike, axis_index, axis_size
 from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather
 from ._region import gather_forward_split_backward, split_forward_gather_backward
+from ._shard import from_ragged, to_ragged
 from ._static import all_to_all_padded, gather_padded
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "axis_size",
     "broadcast",
     "checks_enabled",
+    "from_ragged",
     "gather",
     "gather_forward_split_backward",
     "gather_padded",
@@ -48,4 +50,5 @@ __all__ = [
     "set_checks",
     "split_forward_gather_backward",
     "split_sizes",
+    "to_ragged",
 ]

@@ -20,28 +20,6 @@ def check_tensor(opname: str, arg: str, x: object) -> Tensor:
     return x
 
 
-def local_input(opname: str, x: object, group: object) -> tuple[Tensor, object]:
-    """Check `x`; a DTensor becomes its local shard, and its 1-D mesh the default group.
-
-    funcoll ops act on what each rank holds (as JAX's ``shard_map`` bodies do), so a
-    DTensor contributes ``x.to_local()``, which is differentiable. With ``group=None``
-    the DTensor's mesh is the group when it is 1-D; a 2-D mesh needs an explicit
-    ``group=(mesh, mesh_dim)``.
-    """
-    x = check_tensor(opname, "x", x)
-    if type(x).__name__ == "DTensor":  # no import of DTensor unless one is passed
-        mesh = x.device_mesh
-        if group is None:
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"{opname}: `x` is a DTensor on a {mesh.ndim}-D mesh; pass group=(mesh, mesh_dim) "
-                    f"to pick the mesh dim to communicate over"
-                )
-            group = mesh
-        x = x.to_local()
-    return x, group
-
-
 def check_dim(opname: str, x: Tensor, dim: object, arg: str = "dim", extra: int = 0) -> int:
     """Normalise a (possibly negative) tensor dim of `x`; `extra` allows one past the end."""
     if not isinstance(dim, int) or isinstance(dim, bool):

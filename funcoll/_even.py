@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from . import _prims
 from ._checks import (
@@ -15,14 +16,16 @@ from ._checks import (
     check_rank,
     check_reduce_op,
     check_sizes,
+    check_tensor,
     check_total,
     fresh,
-    local_input,
     tensor_split_sizes,
 )
+from ._dtensor import dtensor_input, refuse_dtensor
 from ._group import GroupLike, resolve_group
 from ._header import check_agreement
 from ._ragged import reduce_scatter_v
+from ._region import gather_shards
 from ._wire import unwire, wire, wire_op
 
 __all__ = [
@@ -80,7 +83,14 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
 
 
 def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    if tiled and opname == "funcoll.all_gather":
+        ax = dtensor_input(opname, x, group)
+        if ax is not None:  # Shard(dim) -> Replicate()
+            return gather_shards(ax, ax.dim(dim))
+    refuse_dtensor(
+        opname, x, "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
+    )
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
     g = resolve_group(opname, group)
@@ -158,11 +168,30 @@ def reduce_scatter(
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
     """
     opname = "funcoll.reduce_scatter"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
     d = check_dim(opname, x, dim)
     reduce_op = check_reduce_op(opname, op)
     if reduce_op == "avg" and not x.dtype.is_floating_point:
         raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Partial(op) -> Shard(dim), in DTensor's chunk layout
+        if sizes is not None or not tiled:
+            raise ValueError(
+                f"{opname}: `x` is a DTensor, whose Shard({d}) has torch.chunk's lengths; `sizes` and "
+                f"tiled=False are for plain tensors (got sizes={sizes!r}, tiled={tiled})"
+            )
+        ax.expect_partial(reduce_op)
+        ax.expect_unsharded_elsewhere(d, "dim")
+        local = ax.local()
+        if ax.world == 1:
+            return ax.wrap(fresh(local), Shard(d))
+        sz, xm, wop = ax.sizes(d), wire(local).movedim(d, 0), wire_op(reduce_op, local.dtype)
+        if _static_equal(sz):
+            y = _prims.reduce_scatter_p(xm, wop, ax.name, ax.world)
+        else:
+            stats = (sz[-1], sz[0], local.shape[d])
+            y = _prims.reduce_scatter_v_p(xm, sz, wop, ax.name, ax.world, ax.rank, stats)
+        return ax.wrap(unwire(y, local.dtype).movedim(0, d), Shard(d))
     g = resolve_group(opname, group)
     if sizes is not None:
         if not tiled:
@@ -215,10 +244,19 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         all_reduce(x, op="max")       # both: [3., 4.]
     """
     opname = "funcoll.all_reduce"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
     reduce_op = check_reduce_op(opname, op)
     if reduce_op == "avg" and not x.dtype.is_floating_point:
         raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Partial(op) -> Replicate(); the gradient of the one value passes through
+        ax.expect_partial(reduce_op)
+        local = ax.local()
+        if ax.world == 1:
+            return ax.wrap(fresh(local), Replicate())
+        wop = wire_op(reduce_op, local.dtype)
+        y = unwire(_prims.replicate_p(wire(local), wop, 0, ax.name, ax.world), local.dtype)
+        return ax.wrap(y, Replicate())
     g = resolve_group(opname, group)
     check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
     if g.is_single:
@@ -308,7 +346,24 @@ def all_to_all(
         all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
     """
     opname = "funcoll.all_to_all"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Shard(gather_dim) -> Shard(scatter_dim), both in DTensor's chunk layout
+        s, gd = ax.dim(scatter_dim, "scatter_dim"), ax.dim(gather_dim, "gather_dim")
+        if scatter_sizes is not None or gather_sizes is not None:
+            raise ValueError(
+                f"{opname}: `x` is a DTensor, whose shards have torch.chunk's lengths, known from its "
+                f"global shape; `scatter_sizes` and `gather_sizes` are for plain tensors"
+            )
+        if s == gd:
+            raise ValueError(
+                f"{opname}: scatter_dim == gather_dim == {s} interleaves the ranks' pieces, which no "
+                f"DTensor placement describes; pass x.to_local() for the op on plain tensors"
+            )
+        ax.expect_shard(gd, "gather_dim")
+        ax.expect_unsharded_elsewhere(s, "scatter_dim")
+        y = all_to_all(ax.local(gd), ax.group, s, gd, scatter_sizes=ax.sizes(s), gather_sizes=ax.sizes(gd))
+        return ax.wrap(y, Shard(s))
     s = check_dim(opname, x, scatter_dim, "scatter_dim")
     gd = check_dim(opname, x, gather_dim, "gather_dim")
     g = resolve_group(opname, group)
@@ -403,7 +458,21 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
         ppermute(x, [(0, 1), (1, 0)]) # rank 0: [2., 2.]      rank 1: [1., 1.]
     """
     opname = "funcoll.ppermute"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Shard(d) -> Shard(d): whole shards move, so they must be equal
+        p = ax.placement
+        if not isinstance(p, Shard) or type(p) is not Shard:
+            raise ax.refuse("Shard(d) with equal shards (ppermute moves whole shards between ranks)")
+        ax.expect_unsharded_elsewhere(p.dim, "the Shard dim")
+        n = ax.x.shape[p.dim]
+        if torch.compiler.is_compiling() or isinstance(n, torch.SymInt):
+            torch._check(n % ax.world == 0, lambda: f"{opname}: shards of unequal length")
+        elif n % ax.world:
+            raise ax.refuse(
+                f"Shard({p.dim}) with equal shards, and x.shape[{p.dim}]={n} does not divide by {ax.world}"
+            )
+        return ax.wrap(ppermute(ax.local(p.dim), perm, group=ax.group), p)
     g = resolve_group(opname, group)
     pairs = _check_perm(opname, perm, g.size)
     dsts = [-1] * g.size  # the destination of every rank, -1 for none: what the check compares
@@ -451,7 +520,16 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
         broadcast(x, src=0)           # both: [1., 2.]
     """
     opname = "funcoll.broadcast"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Replicate() -> Replicate(); the gradient of the one value passes through
+        check_rank(opname, "src", src, ax.world)
+        ax.expect(Replicate(), "Replicate()")
+        local = ax.local()
+        if ax.world == 1:
+            return ax.wrap(fresh(local), Replicate())
+        y = unwire(_prims.replicate_p(wire(local), None, src, ax.name, ax.world), local.dtype)
+        return ax.wrap(y, Replicate())
     g = resolve_group(opname, group)
     check_rank(opname, "src", src, g.size)
     check_agreement("broadcast", x, g, args=(src, 0))

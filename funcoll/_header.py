@@ -296,6 +296,10 @@ def _check_gather_widths(opname: str, rows: list[list[int]]) -> None:
             )
 
 
+def _check_same_sizes(opname: str, rows: list[list[int]]) -> None:
+    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+
+
 def _check_slice_sizes(opname: str, rows: list[list[int]]) -> None:
     if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
         _disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
@@ -341,6 +345,7 @@ _BY_CODE: tuple[Header, ...] = (
         checks=(_check_slice_sizes,),
     ),
     Header("gather_forward_split_backward", args=(None, STRATEGY)),
+    Header("from_ragged"),
     Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
@@ -358,6 +363,13 @@ _BY_CODE: tuple[Header, ...] = (
         "split_forward_gather_backward",
         args=(Arg("dim"), Arg("grad_scale", _named(GRAD_SCALES))),
         reads=NDIM_ONLY,
+        check_only=True,
+    ),
+    Header(
+        "to_ragged",
+        reads=NDIM_ONLY,
+        varying_dim="the Shard dim",
+        checks=(_check_same_sizes,),
         check_only=True,
     ),
 )

@@ -12,6 +12,7 @@ primitive               backward (its adjoint)
 ``all_reduce_p``        ``all_reduce_p`` (sum) of the gradient (JAX ``psum``)
 ``all_to_all_p``        ``all_to_all_p`` with send and receive splits swapped
 ``broadcast_p``         sum of the gradients onto ``src``, zeros elsewhere
+``replicate_p``         the gradient as it is (avg: divided by world)
 ``all_gather_v_p``      ``reduce_scatter_v_p`` of the gradient
 ``reduce_scatter_v_p``  ``all_gather_v_p`` of the gradient
 ======================  ==================================================
@@ -196,6 +197,32 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
     return _Broadcast.apply(x, src, group_name, world, rank)
+
+
+# --------------------------------------------------------------------------- replicate_p
+class _Replicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
+        ctx.reduce_op, ctx.world = reduce_op, world
+        if reduce_op is None:
+            return _wait(_F.broadcast(_payload(x), src, group_name))
+        return _all_reduce_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = grad if ctx.reduce_op is None else _scale_for_op("all_reduce", ctx.reduce_op, grad, ctx.world)
+        return g, None, None, None, None
+
+
+def replicate_p(x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
+    """DTensor's all_reduce (`reduce_op`) or broadcast (from `src`, `reduce_op` None): a replicated result.
+
+    The result is one value held on every rank (a ``Replicate()`` DTensor), so the
+    gradient that comes back is that value's gradient, the same on every rank, and
+    passes through (a ``Partial("avg")`` input: divided by world). Summing it over
+    ranks, as ``all_reduce_p`` does for per-rank losses, would count it world times.
+    """
+    return _Replicate.apply(x, reduce_op, src, group_name, world)
 
 
 # ------------------------------------------------------------------ ragged gather/scatter

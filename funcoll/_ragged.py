@@ -22,12 +22,14 @@ from ._checks import (
     check_dim,
     check_rank,
     check_sizes,
+    check_tensor,
     check_total,
     fresh,
-    local_input,
 )
+from ._dtensor import dtensor_input, refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, exchange, host_ints, split_stats
+from ._region import gather_shards
 from ._strategy import STRATEGIES
 from ._wire import unwire, wire, wire_op
 
@@ -118,7 +120,13 @@ def gather(
         # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
     opname = "funcoll.gather"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    if dst is None:
+        ax = dtensor_input(opname, x, group)
+        if ax is not None:  # Shard(dim) -> Replicate(), the lengths known from the global shape
+            _check_strategy(opname, strategy)
+            return gather_shards(ax, ax.dim(dim), strategy)
+    refuse_dtensor(opname, x, f"with `dst`={dst} its result is on one rank", "dst=None")
     x, d, ndim = as_rows(opname, x, dim)
     strat = _check_strategy(opname, strategy)
     g = resolve_group(opname, group)
@@ -174,7 +182,8 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
         all_gather_list(x)            # both: [tensor([1.5, 2.3]), tensor([5.3])]
     """
     opname = "funcoll.all_gather_list"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    refuse_dtensor(opname, x, "its result is a list of the ranks' tensors", "funcoll.all_gather(x, dim)")
     x0 = x
     x, d, ndim = as_rows(opname, x, dim)
     g = resolve_group(opname, group)
@@ -209,7 +218,12 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
         all_gather_ragged(x)   # both: ([[1, 2], [3, 4], [5, 6]], tensor([2, 1]))
     """
     opname = "funcoll.all_gather_ragged"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Shard(dim) -> Replicate(), and the shards' lengths
+        d = ax.dim(dim)
+        y = gather_shards(ax, d)
+        return y, torch.tensor(ax.sizes(d), dtype=torch.int64, device=y.device)
     x, d, ndim = as_rows(opname, x, dim)
     g = resolve_group(opname, group)
     if g.is_single:
@@ -218,7 +232,7 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
     return y, table[:, SIZE].clone()
 
 
-def _host_sizes(opname: str, arg: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
+def host_sizes(opname: str, arg: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
     """`sizes` (checked by ``check_sizes``) as world host ints; from a tensor, unbacked SymInts in a graph."""
     sizes = check_sizes(opname, arg, sizes, world)
     if not isinstance(sizes, Tensor):
@@ -248,12 +262,12 @@ def reduce_scatter_v(
         # call (reading the gathered header) checks it, on every rank.
         given, sizes_t = None, check_sizes(opname, "sizes", sizes, g.size)
     else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
-        given = _host_sizes(opname, "sizes", sizes, g.size)
+        given = host_sizes(opname, "sizes", sizes, g.size)
         _check_total(opname, "sizes", given, x, dim)
         sizes_t = torch.tensor(given, dtype=torch.int64)
     if g.is_single:
         if given is None:
-            _check_total(opname, "sizes", _host_sizes(opname, "sizes", sizes_t, 1), x, dim)
+            _check_total(opname, "sizes", host_sizes(opname, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
     _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(reduce_op), 1), sizes=sizes_t)
     sz, stats = split_stats(ints, g.size)
@@ -306,7 +320,8 @@ def all_to_all_v(
         # rank 0: ([1, 4, 5], tensor([1, 2]))   rank 1: ([2, 3], tensor([2, 0]))
     """
     opname = "funcoll.all_to_all_v"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    refuse_dtensor(opname, x, "it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged")
     d = check_dim(opname, x, dim)
     g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
@@ -314,11 +329,11 @@ def all_to_all_v(
         if isinstance(send_sizes, Tensor):
             send_t = check_sizes(opname, "send_sizes", send_sizes, g.size)
         else:
-            sz = _host_sizes(opname, "send_sizes", send_sizes, g.size)
+            sz = host_sizes(opname, "send_sizes", send_sizes, g.size)
             _check_total(opname, "send_sizes", sz, x, d)
             send_t = torch.tensor(sz, dtype=torch.int64)
         if g.is_single:
-            _check_total(opname, "send_sizes", _host_sizes(opname, "send_sizes", send_t, 1), x, d)
+            _check_total(opname, "send_sizes", host_sizes(opname, "send_sizes", send_t, 1), x, d)
             return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
@@ -349,5 +364,5 @@ def _host_sizes_pair(
         check_sizes(opname, "send_sizes", send, world)
         check_sizes(opname, "recv_sizes", recv, world)
         both = torch.cat([send.reshape(-1), recv.to(send.device).reshape(-1)])
-        return _host_sizes(opname, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
-    return _host_sizes(opname, "send_sizes", send, world) + _host_sizes(opname, "recv_sizes", recv, world)
+        return host_sizes(opname, "send_sizes/recv_sizes", both, 2 * world)  # one sync for both
+    return host_sizes(opname, "send_sizes", send, world) + host_sizes(opname, "recv_sizes", recv, world)

@@ -16,9 +16,11 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _prims
-from ._checks import IntLike, check_dim, fresh, local_input, tensor_split_sizes
+from ._checks import IntLike, check_dim, check_tensor, fresh, tensor_split_sizes
+from ._dtensor import MeshAxis, dtensor_input
 from ._group import Group, GroupLike, resolve_group
 from ._header import GRAD_SCALES, check_agreement, exchange, split_stats
 from ._wire import unwire, wire
@@ -41,8 +43,8 @@ def _check_grad_scale(opname: str, grad_scale: object) -> str | None:
 def _region_args(
     opname: str, x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale
 ) -> tuple[Tensor, int, str | None, Group]:
-    """The checks both region ops make, in order: x (a DTensor's local shard), dim, grad_scale, group."""
-    x, group = local_input(opname, x, group)
+    """The checks both region ops make on a plain `x`, in order: x, dim, grad_scale, group."""
+    x = check_tensor(opname, "x", x)
     d = check_dim(opname, x, dim)
     scale = _check_grad_scale(opname, grad_scale)
     return x, d, scale, resolve_group(opname, group)
@@ -59,10 +61,18 @@ def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
 class _SplitForwardGatherBackward(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, dim: int, scale: str | None, group_name: str, world: int, rank: int
+        ctx: Any,
+        x: Tensor,
+        dim: int,
+        scale: str | None,
+        group_name: str,
+        world: int,
+        rank: int,
+        sizes: list[IntLike] | None,
     ) -> Tensor:
         ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank = dim, scale, group_name, world, rank
-        sizes = tensor_split_sizes(x.shape[dim], world)
+        # tensor_split's pieces unless given (a DTensor's: torch.chunk's); longest first either way
+        sizes = tensor_split_sizes(x.shape[dim], world) if sizes is None else sizes
         ctx.sizes = _prims._ctx_ints(sizes)
         ctx.total = _prims._ctx_ints([x.shape[dim]])[0]
         start = sum(sizes[:rank])
@@ -71,11 +81,11 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         gm = wire(_scaled(grad, ctx.scale, ctx.world)).movedim(ctx.dim, 0)
-        # tensor_split: the first pieces are the longest, and they add up to the input
+        # the first pieces are the longest, and they add up to the input
         stats = (ctx.sizes[-1], ctx.sizes[0], ctx.total)
         full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, stats)
         full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
-        return full, None, None, None, None, None
+        return full, None, None, None, None, None, None
 
 
 class _GatherForwardSplitBackward(torch.autograd.Function):
@@ -90,9 +100,10 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         group_name: str,
         world: int,
         rank: int,
+        strategy: str,
     ) -> Tensor:
         xm = wire(x).movedim(dim, 0)
-        y = unwire(_prims.gather_rows(xm, sizes, "auto", group_name, world, rank, stats), x.dtype)
+        y = unwire(_prims.gather_rows(xm, sizes, strategy, group_name, world, rank, stats), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()
         ctx.dim, ctx.scale, ctx.world = dim, scale, world
         ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
@@ -102,7 +113,17 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
-        return _scaled(piece, ctx.scale, ctx.world).contiguous(), None, None, None, None, None, None, None
+        return (
+            _scaled(piece, ctx.scale, ctx.world).contiguous(),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def split_forward_gather_backward(
@@ -129,11 +150,22 @@ def split_forward_gather_backward(
         split_forward_gather_backward(x, None, 0)   # rank 0: [1, 2]   rank 1: [3]
         # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
     """
-    x, d, scale, g = _region_args("funcoll.split_forward_gather_backward", x, group, dim, grad_scale)
+    opname = "funcoll.split_forward_gather_backward"
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:  # Replicate() -> Shard(dim), in DTensor's chunk layout
+        d, scale = ax.dim(dim), _check_grad_scale(opname, grad_scale)
+        ax.expect(Replicate(), "Replicate()")
+        ax.expect_unsharded_elsewhere(d, "dim")
+        local = ax.local()
+        if ax.world == 1:
+            return ax.wrap(fresh(local), Shard(d))
+        y = _SplitForwardGatherBackward.apply(local, d, scale, ax.name, ax.world, ax.rank, ax.sizes(d))
+        return ax.wrap(y, Shard(d))
+    x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
     check_agreement("split_forward_gather_backward", x, g, args=(d, GRAD_SCALES.index(scale)))
     if g.is_single:
         return fresh(x)
-    return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank)
+    return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank, None)
 
 
 def gather_forward_split_backward(
@@ -160,9 +192,32 @@ def gather_forward_split_backward(
         gather_forward_split_backward(x, None, 0)   # both: [1, 2, 3]
         # backward with grad [10., 20., 30.]: rank 0 x.grad = [10., 20.], rank 1 [30.]
     """
-    x, d, scale, g = _region_args("funcoll.gather_forward_split_backward", x, group, dim, grad_scale)
+    opname = "funcoll.gather_forward_split_backward"
+    ax = dtensor_input(opname, x, group)
+    if ax is not None:
+        return gather_shards(ax, ax.dim(dim), scale=_check_grad_scale(opname, grad_scale))
+    x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
     if g.is_single:
         return fresh(x)
     _, ints = exchange("gather_forward_split_backward", x, d, g)
     sizes, stats = split_stats(ints, g.size)
-    return _GatherForwardSplitBackward.apply(x, d, sizes, stats, scale, g.name, g.size, g.rank)
+    return _GatherForwardSplitBackward.apply(x, d, sizes, stats, scale, g.name, g.size, g.rank, "auto")
+
+
+def gather_shards(ax: MeshAxis, dim: int, strategy: str = "auto", scale: str | None = None) -> DTensor:
+    """A DTensor ``Shard(dim) -> Replicate()`` on `ax`'s mesh dim (all_gather, gather, this op).
+
+    The forward gathers the shards, whose lengths (``torch.chunk``'s) every rank
+    knows, so nothing is exchanged; the backward keeps this rank's piece of the
+    replicated gradient: the gradient of one global value, not summed over ranks.
+    """
+    ax.expect_shard(dim)
+    local = ax.local(dim)
+    if ax.world == 1:
+        return ax.wrap(fresh(local), Replicate())
+    sizes = ax.sizes(dim)
+    stats = (sizes[-1], sizes[0], ax.x.shape[dim])  # chunk lengths never grow along the ranks
+    y = _GatherForwardSplitBackward.apply(
+        local, dim, sizes, stats, scale, ax.name, ax.world, ax.rank, strategy
+    )
+    return ax.wrap(y, Replicate())

@@ -26,6 +26,7 @@ FAMILIES = (
     "Ragged collectives",
     "Static-shape ragged collectives",
     "Region ops",
+    "DTensor",
     "Groups and sizes",
     "Compiling",
     "Checks",
@@ -95,7 +96,9 @@ class OpSpec:
     `collectives`: ``(world, variant) -> (forward, backward)`` counts of each
     ``_c10d_functional`` collective one call issues, with checks off: what the
     graph tests and the fake-group traces expect; None for what issues none. `tests`: the test modules that check it against
-    single-process references.
+    single-process references. `dtensor`: what a DTensor argument must be on the
+    mesh dim the op acts on, and what the result is there (docs/dtensor.md's
+    table); None when the op takes no DTensor (its result has no placement).
     """
 
     name: str
@@ -106,6 +109,7 @@ class OpSpec:
     compiled_in: str | None = CASES
     case: str = ""  # the case id prefix in compile_tests/_ops.py; the name when empty
     collectives: Callable[[int, str], Plan] | None = field(default=None, compare=False)
+    dtensor: tuple[str, str] | None = None
 
     def plan(self, world: int, variant: str = "") -> Plan:
         """The collectives one call issues at `world` ranks (`variant`: the op's argument set)."""
@@ -123,34 +127,45 @@ def _op(name: str, family: str, *tests: str, exchanges: bool = True, **kw: objec
     return OpSpec(name, family, tuple(tests), HEADERS[name] if exchanges else None, **kw)  # type: ignore[arg-type]
 
 
-_EVEN, _RAGGED, _STATIC, _REGION = FAMILIES[:4]
+_EVEN, _RAGGED, _STATIC, _REGION, _DTENSOR = FAMILIES[:5]
 _T_EVEN, _T_RAGGED, _T_REGION = "tests/test_even.py", "tests/test_ragged.py", "tests/test_region.py"
 
 _EVEN_AG, _EVEN_RS = _fixed({AG: 1}, {RS: 1}), _fixed({RS: 1}, {AG: 1})
 _A2A = _fixed({A2A: 1}, {A2A: 1})
 _NONE = _fixed({}, {})  # traced, but no collective
-_GROUPS, _COMPILING, _CHECKS = FAMILIES[4:]
+_S_R, _T_DT = ("Shard(dim)", "Replicate()"), "tests/test_dtensor.py"
+_DT_COMPILED = "compile_tests/test_dtensor_compile.py"
+_GROUPS, _COMPILING, _CHECKS = FAMILIES[5:]
 
 SPECS: tuple[OpSpec, ...] = (
-    _op("all_gather", _EVEN, _T_EVEN, "tests/test_checks.py", collectives=_EVEN_AG),
+    _op("all_gather", _EVEN, _T_EVEN, "tests/test_checks.py", _T_DT, collectives=_EVEN_AG, dtensor=_S_R),
     _op("all_gather_into_tensor", _EVEN, _T_EVEN, collectives=_EVEN_AG),
-    _op("reduce_scatter", _EVEN, _T_EVEN, _T_RAGGED, "tests/test_sizes.py", collectives=_reduce_scatter),
-    _op("all_reduce", _EVEN, _T_EVEN, collectives=_fixed({AR: 1}, {AR: 1})),
-    _op("all_to_all", _EVEN, _T_EVEN, "tests/test_all_to_all_sizes.py", "tests/test_sizes.py", collectives=_A2A),
-    _op("ppermute", _EVEN, _T_EVEN, collectives=_A2A),
-    _op("broadcast", _EVEN, _T_EVEN, collectives=_fixed({BC: 1}, {AR: 1})),
-    _op("gather", _RAGGED, _T_RAGGED, "tests/test_ragged_errors.py", collectives=_ragged_gather),
+    _op("reduce_scatter", _EVEN, _T_EVEN, _T_RAGGED, "tests/test_sizes.py", _T_DT, collectives=_reduce_scatter,
+        dtensor=("Partial(op)", "Shard(dim)")),
+    _op("all_reduce", _EVEN, _T_EVEN, _T_DT, collectives=_fixed({AR: 1}, {AR: 1}),
+        dtensor=("Partial(op)", "Replicate()")),
+    _op("all_to_all", _EVEN, _T_EVEN, "tests/test_all_to_all_sizes.py", "tests/test_sizes.py", _T_DT,
+        collectives=_A2A, dtensor=("Shard(gather_dim)", "Shard(scatter_dim)")),
+    _op("ppermute", _EVEN, _T_EVEN, _T_DT, collectives=_A2A, dtensor=("Shard(d), equal shards", "Shard(d)")),
+    _op("broadcast", _EVEN, _T_EVEN, _T_DT, collectives=_fixed({BC: 1}, {AR: 1}),
+        dtensor=("Replicate()", "Replicate()")),
+    _op("gather", _RAGGED, _T_RAGGED, "tests/test_ragged_errors.py", _T_DT, collectives=_ragged_gather,
+        dtensor=("Shard(dim), dst=None", "Replicate()")),
     _op("all_gather_list", _RAGGED, _T_RAGGED, collectives=_ragged_gather),
-    _op("all_gather_ragged", _RAGGED, _T_RAGGED, collectives=_ragged_gather),
+    _op("all_gather_ragged", _RAGGED, _T_RAGGED, _T_DT, collectives=_ragged_gather, dtensor=_S_R),
     _op("all_to_all_v", _RAGGED, _T_RAGGED, "tests/test_sizes.py", collectives=_all_to_all_v),
     _op("gather_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim]",
         collectives=_fixed({AG: 2}, {RS: 1})),  # the counts header, then the padded rows
     _op("all_to_all_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim] // world",
         collectives=_fixed({AG: 1, A2A: 1}, {A2A: 1})),  # the counts header, then the blocks
-    _op("split_forward_gather_backward", _REGION, _T_REGION,  # backward: a ragged all-gather, sizes known
-        collectives=lambda world, variant: ({}, _rows(world)[0])),
-    _op("gather_forward_split_backward", _REGION, _T_REGION,  # backward: this rank's piece, no collective
-        collectives=lambda world, variant: (_plus(HEADER, _rows(world)[0]), {})),
+    _op("split_forward_gather_backward", _REGION, _T_REGION, _T_DT,  # backward: a ragged all-gather, sizes known
+        collectives=lambda world, variant: ({}, _rows(world)[0]), dtensor=("Replicate()", "Shard(dim)")),
+    _op("gather_forward_split_backward", _REGION, _T_REGION, _T_DT,  # backward: this rank's piece, no collective
+        collectives=lambda world, variant: (_plus(HEADER, _rows(world)[0]), {}), dtensor=_S_R),
+    _op("from_ragged", _DTENSOR, _T_DT, compiled_in=_DT_COMPILED,  # the sizes, then the rows that move
+        collectives=_fixed(_plus(HEADER, {A2A: 1}), {A2A: 1}), dtensor=("a plain ragged piece", "Shard(dim)")),
+    _op("to_ragged", _DTENSOR, _T_DT, compiled_in=_DT_COMPILED,
+        collectives=_A2A, dtensor=("Shard(d)", "a plain ragged piece")),
     _op("axis_index", _GROUPS, "tests/test_group.py", exchanges=False, collectives=_NONE),
     _op("axis_size", _GROUPS, "tests/test_group.py", exchanges=False, case="axis_index", collectives=_NONE),
     _op("split_sizes", _GROUPS, "tests/test_all_to_all_sizes.py", exchanges=False,

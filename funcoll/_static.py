@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_sizes, local_input
+from ._checks import check_dim, check_sizes, check_tensor
+from ._dtensor import refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
 from ._header import _dtype_code, _shape_columns
 from ._rows import pack
@@ -148,7 +149,8 @@ def gather_padded(
         y[: sizes.sum()]   # both: [[1], [2], [5]]   (gather's result; rank 1's padding rows never show)
     """
     opname = "funcoll.gather_padded"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    refuse_dtensor(opname, x, "its result is padded to a static length", "funcoll.all_gather(x, dim)")
     d = check_dim(opname, x, dim)
     bound = x.shape[d]
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
@@ -214,7 +216,8 @@ def all_to_all_padded(
         # rank 1: y = [[3], [5], [6], [0]], recv_sizes = [1, 2]
     """
     opname = "funcoll.all_to_all_padded"
-    x, group = local_input(opname, x, group)
+    x = check_tensor(opname, "x", x)
+    refuse_dtensor(opname, x, "its result is padded to a static length", "funcoll.all_to_all")
     d = check_dim(opname, x, dim)
     g = resolve_group(opname, group)
     rows = x.shape[d]

@@ -34,6 +34,7 @@ what the docstring states, on every rank.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 import re
@@ -503,6 +504,8 @@ EXAMPLES = collect()
 
 # ------------------------------------------------------------------------------ ranks
 def _detached(v: Any) -> Any:
+    if type(v).__name__ == "DTensor":  # an example states a DTensor's local shard on each rank
+        return v.to_local().detach().clone()
     if isinstance(v, Tensor):
         return v.detach().clone()
     if isinstance(v, list | tuple):
@@ -520,8 +523,17 @@ def _namespace(ex_id: str) -> dict[str, Any]:
         **{n: getattr(module, n) for n in module.__all__},
         "funcoll": funcoll,
         "torch": torch,
+        "mesh": _mesh(),
         **FREE_NAMES,
     }
+
+
+@functools.cache
+def _mesh() -> Any:
+    """The 1-D DeviceMesh over the example's ranks that DTensor examples pass as ``group=mesh``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,))
 
 
 def run_example(rank: int, ex: Example) -> list[dict[str, Any]]:
@@ -584,6 +596,8 @@ def _compare(actual: Any, expected: Any, shape: tuple[int, ...] | None = None) -
             if (why := _compare(a, e)) is not None:
                 return f"element {k}: {why}"
         return None
+    if isinstance(actual, list) and all(type(a) is int for a in actual):  # host ints, e.g. sizes
+        actual = torch.tensor(actual, dtype=torch.int64)
     if isinstance(expected, bool | int | float) and not isinstance(actual, Tensor):
         ok = type(actual) in (int, float, bool) and math.isclose(actual, expected, rel_tol=1e-6)
         return None if ok else f"expected {expected!r}, got {actual!r}"

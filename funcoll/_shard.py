@@ -1,0 +1,242 @@
+"""Ragged data into and out of DTensor: :func:`from_ragged` and its inverse :func:`to_ragged`.
+
+A DTensor shards a dim as ``torch.chunk`` does, so per-rank batches of arbitrary
+lengths (variable-length sequences, the tokens a rank kept) have no DTensor form.
+``from_ragged`` lays them out in DTensor's chunk layout, keeping the global row
+order (rank 0's rows first): every row keeps its global index, and only the rows
+whose owner changes travel, in one ``all_to_all_single``. ``to_ragged`` moves them
+back to any per-rank lengths. Each is the other's backward.
+
+Example (2 ranks, 3 + 1 rows, chunk layout 2 + 2)::
+
+    rank 0 holds rows [a, b, c], rank 1 holds [d]
+    from_ragged:  rank 0 keeps [a, b], sends [c] to rank 1, which then holds [c, d]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from . import _prims
+from ._checks import IntLike, check_dim, check_tensor, fresh
+from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, show
+from ._group import Group, resolve_group
+from ._header import check_agreement, exchange, split_stats
+from ._ragged import host_sizes
+from ._wire import unwire, wire
+
+__all__ = ["from_ragged", "to_ragged"]
+
+MeshLike = DeviceMesh | tuple[DeviceMesh, int | str]
+
+
+def _overlap(a0: IntLike, a1: IntLike, b0: IntLike, b1: IntLike) -> IntLike:
+    """The length of ``[a0, a1) & [b0, b1)``."""
+    return torch.sym_max(torch.sym_min(a1, b1) - torch.sym_max(a0, b0), 0)
+
+
+def _offsets(sizes: Sequence[IntLike]) -> list[IntLike]:
+    out: list[IntLike] = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def moves(src: Sequence[IntLike], dst: Sequence[IntLike], rank: int) -> tuple[list[IntLike], list[IntLike]]:
+    """(send, recv) of `rank` when global rows laid out as `src` lengths per rank move to `dst`.
+
+    Row k sits on the rank whose interval holds k in either layout; rank i sends
+    rank j the overlap of its `src` interval with j's `dst` interval. Example: src
+    [3, 1], dst [2, 2]: rank 0 sends [2, 1], receives [2, 0]; rank 1 sends [0, 1],
+    receives [1, 1].
+    """
+    so, do = _offsets(src), _offsets(dst)
+    send = [_overlap(so[rank], so[rank + 1], do[j], do[j + 1]) for j in range(len(dst))]
+    recv = [_overlap(so[i], so[i + 1], do[rank], do[rank + 1]) for i in range(len(src))]
+    return send, recv
+
+
+def _move(x: Tensor, dim: int, send: list[IntLike], recv: list[IntLike], g: Group) -> Tensor:
+    y = unwire(_prims.all_to_all_p(wire(x).movedim(dim, 0), recv, send, g.name), x.dtype)
+    return y if dim == 0 else y.movedim(0, dim).contiguous()
+
+
+def _mesh_dim(opname: str, group: object) -> tuple[DeviceMesh, int]:
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{opname}: `group` is a {group.ndim}-D DeviceMesh; pass (mesh, mesh_dim) to pick the mesh "
+                f"dim whose ranks hold the ragged pieces (mesh dims: {group.mesh_dim_names})"
+            )
+        return group, 0
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, m = group
+        if isinstance(m, str):
+            names = mesh.mesh_dim_names or ()
+            if m not in names:
+                raise ValueError(f"{opname}: `group` names mesh dim {m!r}, which is not one of {names}")
+            return mesh, names.index(m)
+        if isinstance(m, bool) or not isinstance(m, int) or not -mesh.ndim <= m < mesh.ndim:
+            raise ValueError(f"{opname}: `group` mesh_dim={m!r} is not a dim of a {mesh.ndim}-D mesh")
+        return mesh, m % mesh.ndim
+    raise TypeError(
+        f"{opname}: `group` must be a DeviceMesh or (DeviceMesh, mesh_dim): the result is a DTensor on "
+        f"that mesh; got {type(group).__name__}"
+    )
+
+
+def _placements(
+    opname: str, mesh: DeviceMesh, m: int, dim: int, placements: Sequence[Placement] | None
+) -> list[Placement]:
+    if placements is None:
+        out: list[Placement] = [Replicate()] * mesh.ndim
+        out[m] = Shard(dim)
+        return out
+    out = list(placements)
+    if len(out) != mesh.ndim:
+        raise ValueError(f"{opname}: `placements` has {len(out)} entries for a {mesh.ndim}-D mesh")
+    if not (type(out[m]) is Shard and out[m].dim == dim):
+        raise ValueError(
+            f"{opname}: `placements`[{m}] is {show(out[m])}, but the ragged pieces become Shard({dim}) on "
+            f"mesh dim {m} (`dim`={dim})"
+        )
+    for i, p in enumerate(out):
+        if i != m and isinstance(p, Shard) and p.dim == dim:
+            raise ValueError(
+                f"{opname}: `placements`[{i}]={show(p)} shards the ragged dim {dim} on a second mesh dim; "
+                f"only mesh dim {m} may shard it"
+            )
+    return out
+
+
+def from_ragged(
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: MeshLike,
+    placements: Sequence[Placement] | None = None,
+) -> tuple[DTensor, list[IntLike]]:
+    """Turn every rank's ragged piece into a ``Shard(dim)`` DTensor in DTensor's own layout.
+
+    Ragged data model: along `dim` rank i holds ``sizes[i]`` rows (any ``>= 0``),
+    the other dims and the dtype agree; the global tensor is the pieces
+    concatenated in rank order. The result is that global tensor sharded as
+    ``torch.chunk`` shards it (``ceil(n / world)`` rows per rank until they run
+    out), the rows in the same global order. Only the rows that change owner
+    move: one small all_gather of the sizes, then one ``all_to_all_single``.
+
+    Args:
+        x: this rank's piece, a plain tensor.
+        dim: the ragged dim.
+        group: the mesh dim the pieces are spread over: a 1-D ``DeviceMesh`` or
+            ``(mesh, mesh_dim)`` (the dim as an int or a name).
+        placements: the result's placement on every mesh dim, ``Shard(dim)`` on the
+            ragged one; None puts ``Replicate()`` on the others. A ``Shard(k)`` on
+            another mesh dim scales dim k's global length by that dim's size, as
+            ``DTensor.from_local`` does. Every group along the other mesh dims must
+            hold the same total along `dim`.
+
+    Returns:
+        ``(y, sizes)``: `y` a DTensor of global shape ``x.shape`` with
+        ``shape[dim] = sum(sizes)``; `sizes` every rank's length (host ints;
+        unbacked SymInts in a compiled graph), what :func:`to_ragged` takes to
+        give the pieces back.
+
+    Backward: :func:`to_ragged` of the gradient to `sizes`: the rows go back to
+    the ranks they came from.
+
+    In the example `mesh` is a 1-D DeviceMesh of both ranks; `y` is ``Shard(0)`` of
+    ``[[1], [2], [3], [4]]``, of which each rank's local shard is shown.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1], [2], [3]]    rank 1: x = [[4]]
+        y, sizes = from_ragged(x, group=mesh)
+        # rank 0: y = [[1], [2]], sizes = [3, 1]    rank 1: y = [[3], [4]], sizes = [3, 1]
+        to_ragged(y, sizes)
+        # rank 0: [[1], [2], [3]]    rank 1: [[4]]
+    """
+    opname = "funcoll.from_ragged"
+    x = check_tensor(opname, "x", x)
+    if is_dtensor(x):
+        raise TypeError(f"{opname}: `x` is a DTensor already; from_ragged takes each rank's plain piece")
+    d = check_dim(opname, x, dim)
+    mesh, m = _mesh_dim(opname, group)
+    places = _placements(opname, mesh, m, d, placements)
+    g = resolve_group(opname, (mesh, m))
+    if g.is_single:
+        sizes, total, local = [x.shape[d]], x.shape[d], fresh(x)
+    else:
+        _, ints = exchange("from_ragged", x, d, g)
+        sizes, (_, _, total) = split_stats(ints, g.size)
+        send, recv = moves(sizes, chunk_sizes(total, g.size), g.rank)
+        local = _move(x, d, send, recv, g)
+    shape = list(x.shape)
+    shape[d] = total
+    for i, p in enumerate(places):
+        if i != m and isinstance(p, Shard):
+            shape[p.dim] = shape[p.dim] * mesh.size(i)
+    y = DTensor.from_local(
+        local, mesh, places, run_check=False, shape=torch.Size(shape), stride=contiguous_strides(shape)
+    )
+    return y, sizes
+
+
+def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | None = None) -> Tensor:
+    """Give every rank ``sizes[rank]`` rows of a ``Shard(d)`` DTensor, in global order: from_ragged's inverse.
+
+    Args:
+        x: a DTensor sharded ``Shard(d)`` on the mesh dim `group` names (the only
+            one of a 1-D mesh when None); d is the dim the rows are counted along.
+        sizes: world ints (a list, or an int tensor), the same on every rank,
+            summing to ``x.shape[d]``: rank i gets global rows
+            ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. From a tensor on a
+            GPU, reading them is a device-to-host sync; pass the list
+            :func:`from_ragged` returned to avoid it.
+        group: the mesh dim, as for every op (``(mesh, mesh_dim)``).
+
+    Returns:
+        This rank's rows, a plain tensor of ``x.shape`` with ``shape[d] = sizes[rank]``.
+
+    Backward: :func:`from_ragged` of the gradient: the rows go back to their
+    place in DTensor's layout.
+
+    In the example `mesh` is a 1-D DeviceMesh of both ranks; `y` is ``Shard(0)`` of
+    ``[[1], [2], [3], [4]]``.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1], [2], [3]]    rank 1: x = [[4]]
+        y, sizes = from_ragged(x, group=mesh)
+        to_ragged(y, [1, 3])
+        # rank 0: [[1]]    rank 1: [[2], [3], [4]]
+    """
+    opname = "funcoll.to_ragged"
+    x = check_tensor(opname, "x", x)
+    ax = dtensor_input(opname, x, group)
+    if ax is None:
+        raise TypeError(f"{opname}: `x` must be a DTensor (from funcoll.from_ragged or any sharded op)")
+    p = ax.placement
+    if type(p) is not Shard:
+        raise ax.refuse("Shard(d), the dim whose rows are handed out")
+    d = p.dim
+    ax.expect_unsharded_elsewhere(d, "the Shard dim")
+    sz = host_sizes(opname, "sizes", sizes, ax.world)
+    n = ax.x.shape[d]
+    if torch.compiler.is_compiling() or any(isinstance(s, torch.SymInt) for s in [*sz, n]):
+        torch._check(sum(sz) == n, lambda: f"{opname}: `sizes` does not sum to x.shape[{d}]")
+    elif sum(sz) != n:
+        raise ValueError(f"{opname}: `sizes`={list(sz)} sums to {sum(sz)}, but x.shape[{d}]={n}")
+    local = ax.local(d)
+    g = Group(ax.name, ax.world, ax.rank)
+    check_agreement("to_ragged", local, g, d, sizes=sz)
+    if g.is_single:
+        return fresh(local)
+    send, recv = moves(ax.sizes(d), sz, g.rank)
+    return _move(local, d, send, recv, g)
