@@ -54,7 +54,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ._checks import IntLike, check_dim
 from ._group import GroupLike, resolve_group
 
-__all__ = ["MeshAxis", "chunk_sizes", "dtensor_input", "is_dtensor", "refuse_dtensor"]
+__all__ = ["MeshAxis", "chunk_sizes", "dtensor_input", "is_dtensor", "moves", "refuse_dtensor"]
 
 
 def is_dtensor(x: object) -> bool:
@@ -70,6 +70,32 @@ def chunk_sizes(n: IntLike, world: int) -> list[IntLike]:
     """
     step = (n + world - 1) // world
     return [torch.sym_min(torch.sym_max(n - i * step, 0), step) for i in range(world)]
+
+
+def _overlap(a0: IntLike, a1: IntLike, b0: IntLike, b1: IntLike) -> IntLike:
+    """The length of ``[a0, a1) & [b0, b1)``."""
+    return torch.sym_max(torch.sym_min(a1, b1) - torch.sym_max(a0, b0), 0)
+
+
+def _offsets(sizes: Sequence[IntLike]) -> list[IntLike]:
+    out: list[IntLike] = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def moves(src: Sequence[IntLike], dst: Sequence[IntLike], rank: int) -> tuple[list[IntLike], list[IntLike]]:
+    """(send, recv) of `rank` when global rows laid out as `src` lengths per rank move to `dst`.
+
+    Row k sits on the rank whose interval holds k in either layout; rank i sends
+    rank j the overlap of its `src` interval with j's `dst` interval. Example: src
+    [3, 1], dst [2, 2]: rank 0 sends [2, 1], receives [2, 0]; rank 1 sends [0, 1],
+    receives [1, 1].
+    """
+    so, do = _offsets(src), _offsets(dst)
+    send = [_overlap(so[rank], so[rank + 1], do[j], do[j + 1]) for j in range(len(dst))]
+    recv = [_overlap(so[i], so[i + 1], do[rank], do[rank + 1]) for i in range(len(src))]
+    return send, recv
 
 
 def contiguous_strides(shape: Sequence[IntLike]) -> tuple[IntLike, ...]:

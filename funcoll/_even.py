@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _prims
 from ._checks import (
@@ -379,12 +380,16 @@ def all_to_all(
     )
     if widths is not None:
         w, n = widths[g.rank], x.shape[gd]
-        says = f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}"
         if torch.compiler.is_compiling():  # SymInts look like ints to dynamo: assert at run time
-            torch._check(w == n, lambda: f"{says}, but its x.shape[{gd}] differs")
+            # (the message may hold only constants: no sizes, which can be SymInts)
+            says = f"{opname}: rank {g.rank}'s x.shape[{gd}] is not its `gather_sizes` entry"
+            torch._check(w == n, lambda: says)
         elif w != n:
-            raise ValueError(f"{says}, but its x.shape[{gd}]={n}")
-        if s == gd and len(set(widths)) > 1:
+            raise ValueError(
+                f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
+                f"but its x.shape[{gd}]={n}"
+            )
+        if s == gd and not _static_equal(widths):
             raise ValueError(
                 f"{opname}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
                 f"all-to-all along one dim is funcoll.all_to_all_v"
@@ -401,7 +406,7 @@ def all_to_all(
         return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
     # Rows differ in width between ranks: they travel flat, each piece as its elements.
     gm = gd + 1 if gd < s else gd  # the gather dim in xm's layout
-    row = xm[0].numel() if xm.shape[0] > 0 else _prod(xm.shape[1:])
+    row = _prod(xm.shape[1:])  # elements per row
     rows_of = [[*xm.shape[1:gm], w, *xm.shape[gm + 1 :]] for w in widths]  # rank i's row shape
     recv = [mine * _prod(r) for r in rows_of]
     got = _prims.all_to_all_p(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
@@ -417,8 +422,12 @@ def _prod(dims: Sequence[IntLike]) -> IntLike:
 
 
 def _static_equal(sizes: Sequence[IntLike]) -> bool:
-    """All equal, known without a guard: plain ints only (SymInts take the general path)."""
-    return all(isinstance(n, int) for n in sizes) and len(set(sizes)) == 1
+    """All equal, known without a guard (SymInts that may differ take the general path).
+
+    Not ``len(set(sizes))``: under dynamo a SymInt passes ``isinstance(n, int)``, and
+    hashing it into a set guards on its value (a data-dependent error when unbacked).
+    """
+    return all(statically_known_true(n == sizes[0]) for n in sizes)
 
 
 def _check_perm(opname: str, perm: object, size: int) -> list[tuple[int, int]]:

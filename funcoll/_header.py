@@ -34,6 +34,7 @@ from torch import Tensor
 from . import _prims
 from ._checks import REDUCE_OPS, IntLike
 from ._config import checks_enabled
+from ._dtensor import chunk_sizes, moves
 from ._group import Group
 from ._prims import Stats
 from ._strategy import STRATEGIES
@@ -247,6 +248,16 @@ SEND_RECV = Reader(
     lambda rows, rank: rows[rank][WIDTH : WIDTH + len(rows)] + [r[WIDTH + rank] for r in rows],
     lambda w: 2 * w,
 )
+
+
+def _chunk_moves(rows: list[list[int]], rank: int) -> list[int]:
+    """from_ragged: the sizes, their sum, then this rank's send and receive splits."""
+    sizes = [r[SIZE] for r in rows]
+    send, recv = moves(sizes, chunk_sizes(sum(sizes), len(rows)), rank)
+    return [*sizes, sum(sizes), *send, *recv]
+
+
+TO_CHUNKS = Reader(_chunk_moves, lambda w: 3 * w + 1)
 NDIM_ONLY = Reader(lambda rows, rank: [rows[rank][NDIM]], lambda w: 1)  # an even op's check
 
 
@@ -345,7 +356,7 @@ _BY_CODE: tuple[Header, ...] = (
         checks=(_check_slice_sizes,),
     ),
     Header("gather_forward_split_backward", args=(None, STRATEGY)),
-    Header("from_ragged"),
+    Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
     Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),

@@ -210,7 +210,11 @@ def gather_shards(ax: MeshAxis, dim: int, strategy: str = "auto", scale: str | N
     The forward gathers the shards, whose lengths (``torch.chunk``'s) every rank
     knows, so nothing is exchanged; the backward keeps this rank's piece of the
     replicated gradient: the gradient of one global value, not summed over ranks.
+    ``"auto"`` pads: the shards are full but for one, then empty ones, so one
+    all_gather of ``ceil(n / world)`` rows each moves little padding, and every
+    rank's collective has the same shape (no rank-dependent empty payload).
     """
+    strategy = "pad" if strategy == "auto" else strategy
     ax.expect_shard(dim)
     local = ax.local(dim)
     if ax.world == 1:

@@ -25,9 +25,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import _prims
 from ._checks import IntLike, check_dim, check_tensor, fresh
-from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, show
+from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
 from ._group import Group, resolve_group
-from ._header import check_agreement, exchange, split_stats
+from ._header import check_agreement, exchange
 from ._ragged import host_sizes
 from ._wire import unwire, wire
 
@@ -36,35 +36,24 @@ __all__ = ["from_ragged", "to_ragged"]
 MeshLike = DeviceMesh | tuple[DeviceMesh, int | str]
 
 
-def _overlap(a0: IntLike, a1: IntLike, b0: IntLike, b1: IntLike) -> IntLike:
-    """The length of ``[a0, a1) & [b0, b1)``."""
-    return torch.sym_max(torch.sym_min(a1, b1) - torch.sym_max(a0, b0), 0)
-
-
-def _offsets(sizes: Sequence[IntLike]) -> list[IntLike]:
-    out: list[IntLike] = [0]
-    for n in sizes:
-        out.append(out[-1] + n)
-    return out
-
-
-def moves(src: Sequence[IntLike], dst: Sequence[IntLike], rank: int) -> tuple[list[IntLike], list[IntLike]]:
-    """(send, recv) of `rank` when global rows laid out as `src` lengths per rank move to `dst`.
-
-    Row k sits on the rank whose interval holds k in either layout; rank i sends
-    rank j the overlap of its `src` interval with j's `dst` interval. Example: src
-    [3, 1], dst [2, 2]: rank 0 sends [2, 1], receives [2, 0]; rank 1 sends [0, 1],
-    receives [1, 1].
-    """
-    so, do = _offsets(src), _offsets(dst)
-    send = [_overlap(so[rank], so[rank + 1], do[j], do[j + 1]) for j in range(len(dst))]
-    recv = [_overlap(so[i], so[i + 1], do[rank], do[rank + 1]) for i in range(len(src))]
-    return send, recv
-
-
 def _move(x: Tensor, dim: int, send: list[IntLike], recv: list[IntLike], g: Group) -> Tensor:
     y = unwire(_prims.all_to_all_p(wire(x).movedim(dim, 0), recv, send, g.name), x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
+
+
+def _given_sizes(opname: str, x: Tensor, d: int, sizes: Sequence[int] | Tensor, g: Group) -> list[IntLike]:
+    """from_ragged's `sizes`: world host ints whose entry for this rank is its x.shape[d]."""
+    sizes = host_sizes(opname, "sizes", sizes, g.size)
+    n = x.shape[d]
+    if torch.compiler.is_compiling() or isinstance(sizes[g.rank], torch.SymInt):
+        says = f"{opname}: `sizes`[{g.rank}] is not this rank's x.shape[{d}]"
+        torch._check(sizes[g.rank] == n, lambda: says)
+    elif sizes[g.rank] != n:
+        raise ValueError(
+            f"{opname}: `sizes`={list(sizes)} says rank {g.rank} holds {sizes[g.rank]}, but its x.shape[{d}]={n}"
+        )
+    check_agreement("from_ragged", x, g, d, sizes=sizes)
+    return list(sizes)
 
 
 def _mesh_dim(opname: str, group: object) -> tuple[DeviceMesh, int]:
@@ -121,6 +110,7 @@ def from_ragged(
     *,
     group: MeshLike,
     placements: Sequence[Placement] | None = None,
+    sizes: Sequence[int] | Tensor | None = None,
 ) -> tuple[DTensor, list[IntLike]]:
     """Turn every rank's ragged piece into a ``Shard(dim)`` DTensor in DTensor's own layout.
 
@@ -141,6 +131,11 @@ def from_ragged(
             another mesh dim scales dim k's global length by that dim's size, as
             ``DTensor.from_local`` does. Every group along the other mesh dims must
             hold the same total along `dim`.
+        sizes: every rank's length along `dim` (world ints, the same on every rank),
+            when the caller knows them (a data loader that saw every rank's batch):
+            nothing is exchanged, and in a compiled graph the global shape is made
+            of these ints (or the SymInts they are) rather than of unbacked sizes
+            read from an exchange. None: funcoll exchanges them.
 
     Returns:
         ``(y, sizes)``: `y` a DTensor of global shape ``x.shape`` with
@@ -170,13 +165,21 @@ def from_ragged(
     mesh, m = _mesh_dim(opname, group)
     places = _placements(opname, mesh, m, d, placements)
     g = resolve_group(opname, (mesh, m))
-    if g.is_single:
-        sizes, total, local = [x.shape[d]], x.shape[d], fresh(x)
-    else:
-        _, ints = exchange("from_ragged", x, d, g)
-        sizes, (_, _, total) = split_stats(ints, g.size)
+    if sizes is not None:
+        sizes = _given_sizes(opname, x, d, sizes, g)
+        total = sum(sizes)
         send, recv = moves(sizes, chunk_sizes(total, g.size), g.rank)
-        local = _move(x, d, send, recv, g)
+    elif g.is_single:
+        sizes, total, send, recv = [x.shape[d]], x.shape[d], [x.shape[d]], [x.shape[d]]
+    else:
+        # The host computes every split of the move, so that in a compiled graph each
+        # is an unbacked size of its own (not a nest of min/max over the exchanged
+        # sizes, which DTensor's shape code cannot reason about).
+        _, ints = exchange("from_ragged", x, d, g)
+        w = g.size
+        sizes, total, send, recv = ints[:w], ints[w], ints[w + 1 : 2 * w + 1], ints[2 * w + 1 :]
+        torch._check(sum(send) == x.shape[d])
+    local = fresh(x) if g.is_single else _move(x, d, send, recv, g)
     shape = list(x.shape)
     shape[d] = total
     for i, p in enumerate(places):
