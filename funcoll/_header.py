@@ -356,7 +356,6 @@ _BY_CODE: tuple[Header, ...] = (
         checks=(_check_slice_sizes,),
     ),
     Header("gather_forward_split_backward", args=(None, STRATEGY)),
-    Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
     Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
@@ -383,6 +382,7 @@ _BY_CODE: tuple[Header, ...] = (
         checks=(_check_same_sizes,),
         check_only=True,
     ),
+    Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
 )
 HEADERS: dict[str, Header] = {h.name: h for h in _BY_CODE}
 CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}

@@ -313,6 +313,8 @@ def bad_calls(world: int) -> list[BadCall]:
                 ValueError, "to_ragged", ("`sizes`", f"x.shape[0]={world}")),
         BadCall("to_ragged-replicate", lambda m, m2: f.to_ragged(_dt(m, (4, 2), "R"), [4] + [0] * (world - 1)),
                 ValueError, "to_ragged", ("Replicate()", "Shard(d)")),
+        BadCall("from_ragged-sizes", lambda m, m2: f.from_ragged(torch.zeros(2, 1), group=m, sizes=[3] * world),
+                ValueError, "from_ragged", ("`sizes`=", f"rank {world - 1} holds 3", "x.shape[0]=2")),
         BadCall("from_ragged-dtensor", lambda m, m2: f.from_ragged(_dt(m, (4, 2), "S0"), group=m), TypeError,
                 "from_ragged", ("DTensor already",)),
         BadCall("from_ragged-group", lambda m, m2: f.from_ragged(torch.zeros(2), group=None), TypeError,
@@ -379,6 +381,8 @@ def run_ragged(rank: int, world: int) -> dict[str, Any]:
             "back": back.detach(),
             "grad": leaf.grad,
         }
+    given, _ = funcoll.from_ragged(ragged_piece(rank, lengths, "d0"), 0, group=mesh, sizes=lengths)
+    out["given"] = given.to_local()  # the lengths passed in: nothing exchanged, the same layout
     if world == 4:  # dp x sp: each dp group spreads its own batch row's tokens raggedly over sp
         mesh2 = mesh_of(world, True)
         dp, sp = coords_of(rank, (2, 2))
@@ -518,6 +522,8 @@ def test_from_ragged_round_trip(world: int) -> None:
                 got["local"], full.narrow(dim, min(r * step, n), chunk_sizes(n, world)[r])
             )
             torch.testing.assert_close(got["back"], 2 * mine, rtol=0, atol=0)
+            if dim == 0:
+                torch.testing.assert_close(res["ragged"]["given"], got["local"], rtol=0, atol=0)
             # loss = sum(Y * W) + sum((2 X_r)^2) over ranks: d/dX_r = W_r + 8 X_r
             torch.testing.assert_close(got["grad"], w.narrow(dim, sum(lengths[:r]), lengths[r]) + 8 * mine)
 
@@ -544,3 +550,42 @@ def test_chunk_sizes_are_torch_chunks() -> None:
         for world in range(1, 6):
             want = [p.shape[0] for p in torch.chunk(torch.empty(n), world)] if n else []
             assert chunk_sizes(n, world) == want + [0] * (world - len(want)), (n, world)
+
+
+def test_docs_placement_table_is_the_specs() -> None:
+    """docs/dtensor.md lists every op's (takes, gives) as its spec says, and no other op."""
+    import re
+    from pathlib import Path
+
+    from funcoll._spec import SPECS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "dtensor.md").read_text()
+    rows = dict(
+        (m.group(1), (m.group(2), m.group(3)))
+        for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)` \| `([^`]+)` \|$", text, re.MULTILINE)
+    )
+    assert rows == {s.name: s.dtensor for s in SPECS if s.dtensor is not None}
+
+
+def test_torchrun_example_runs() -> None:
+    """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "examples" / "dtensor_ragged.py")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 120 s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "DTensor (7, 3) (Shard(dim=0),), local rows [0.0, 1.0, 2.0, 3.0]" in out
+    assert out.count("tokens back") == 2

@@ -69,6 +69,51 @@ def test_bad_sizes_raise_the_same_error_in_every_op(slot: tuple[str, str], bad: 
     assert f"`{arg}`" in message, message
 
 
+# The DTensor ops need a mesh: their slots run in one gloo rank (world 1), every bad value in one launch.
+DTENSOR_SLOTS = {("from_ragged", "sizes"), ("to_ragged", "sizes")}
+
+
+def _dtensor_slot_outcomes(rank: int, world: int) -> dict[tuple[str, str, str], tuple[str, str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    calls = {
+        ("from_ragged", "sizes"): lambda bad: funcoll.from_ragged(X, group=mesh, sizes=bad),
+        ("to_ragged", "sizes"): lambda bad: funcoll.to_ragged(distribute_tensor(X, mesh, [Shard(0)]), bad),
+    }
+    out = {}
+    for (op, arg), call in calls.items():
+        for bad in BAD:
+            try:
+                call(_expected((op, arg), bad)[0])
+                out[op, arg, bad] = ("no error", "")
+            except Exception as e:  # noqa: BLE001 (the test checks the type and the message)
+                out[op, arg, bad] = (type(e).__name__, str(e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dtensor_outcomes() -> dict[tuple[str, str, str], tuple[str, str]]:
+    from funcoll.testing import run_ranks
+
+    return run_ranks(_dtensor_slot_outcomes, 1, timeout=60)[0]
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize(
+    "slot", sorted(DTENSOR_SLOTS), ids=[f"{op}-{arg}" for op, arg in sorted(DTENSOR_SLOTS)]
+)
+def test_bad_sizes_raise_the_same_error_in_dtensor_ops(
+    slot: tuple[str, str], bad: str, dtensor_outcomes: Any
+) -> None:
+    op, arg = slot
+    kind, message = dtensor_outcomes[op, arg, bad]
+    assert kind == _expected(slot, bad)[1].__name__, f"{kind}: {message}"
+    assert message.startswith(f"funcoll.{op}: "), message
+    assert f"`{arg}`" in message, message
+
+
 def test_every_size_argument_is_covered() -> None:
     """A public op with a *sizes/length argument that SLOTS does not list fails here."""
     import inspect
@@ -81,4 +126,5 @@ def test_every_size_argument_is_covered() -> None:
         for p in inspect.signature(fn).parameters:
             if p.endswith("sizes") or p == "length":
                 found.add((name, p))
-    assert found == set(SLOTS), f"size arguments without a case: {found - set(SLOTS)}"
+    covered = set(SLOTS) | DTENSOR_SLOTS
+    assert found == covered, f"size arguments without a case: {found - covered}"

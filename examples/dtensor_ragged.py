@@ -1,0 +1,38 @@
+"""Ragged sequences into a DTensor and back: run with ``torchrun --nproc-per-node 2 examples/dtensor_ragged.py``.
+
+Each rank holds a different number of tokens (here 5 and 2). ``funcoll.from_ragged``
+lays them out as a ``Shard(0)`` DTensor in DTensor's own layout (4 and 3 rows),
+moving only the one row that changes owner; a funcoll op works on the DTensor; and
+``funcoll.to_ragged`` gives every rank its own tokens back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import funcoll
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    lengths = [5 if r % 2 == 0 else 2 for r in range(world)]
+    start = sum(lengths[:rank])
+    tokens = torch.arange(start, start + lengths[rank], dtype=torch.float32)[:, None].repeat(1, 3)
+
+    x, sizes = funcoll.from_ragged(tokens, group=mesh)  # Shard(0) of all the tokens, in order
+    print(f"rank {rank}: holds {lengths[rank]} tokens; DTensor {tuple(x.shape)} {x.placements}, "
+          f"local rows {x.to_local()[:, 0].tolist()}")  # fmt: skip
+    full = funcoll.all_gather(x)  # Shard(0) -> Replicate(), the same global tensor
+    assert torch.equal(full.to_local()[:, 0], torch.arange(sum(lengths), dtype=torch.float32))
+    back = funcoll.to_ragged(x * 10, sizes)  # every rank its own tokens, times 10
+    assert torch.equal(back, tokens * 10)
+    print(f"rank {rank}: got its {back.shape[0]} tokens back")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
