@@ -6,6 +6,8 @@ backticks, then shows the bad value and what was expected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -135,12 +137,22 @@ def check_sizes(
     return ints
 
 
+def check_equal(a: IntLike, b: IntLike, traced: str, eager: Callable[[], str]) -> None:
+    """``a == b``: a ValueError saying ``eager()`` now, or a run-time assert saying `traced`.
+
+    Under dynamo a SymInt passes ``isinstance(., int)`` and fails
+    ``isinstance(., SymInt)``, so in a compiled graph (or on SymInts) the check is
+    asserted at run time; `traced` may hold only constants (dynamo refuses a
+    message closure over SymInts).
+    """
+    if torch.compiler.is_compiling() or isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        torch._check(a == b, lambda: traced)
+    elif a != b:
+        raise ValueError(eager())
+
+
 def check_total(opname: str, arg: str, sizes: list[IntLike], total: IntLike, what: str) -> None:
-    """`sizes` add up to `total` (`what` names it): a ValueError now, or a runtime assert on symbols."""
+    """`sizes` add up to `total` (`what` names it)."""
     got = sum(sizes)
-    # Under dynamo a SymInt passes isinstance(., int) and fails isinstance(., SymInt):
-    # in a compiled graph every total is asserted at run time instead.
-    if torch.compiler.is_compiling() or isinstance(got, torch.SymInt) or isinstance(total, torch.SymInt):
-        torch._check(got == total, lambda: f"{opname}: `{arg}` does not sum to {what}")
-    elif got != total:
-        raise ValueError(f"{opname}: `{arg}`={list(sizes)} sums to {got}, but {what}={total}")
+    check_equal(got, total, f"{opname}: `{arg}` does not sum to {what}",
+                lambda: f"{opname}: `{arg}`={list(sizes)} sums to {got}, but {what}={total}")  # fmt: skip

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._checks import IntLike, check_dim
+from ._checks import IntLike, check_dim, check_equal
 from ._group import GroupLike, resolve_group
 
 __all__ = ["MeshAxis", "chunk_sizes", "dtensor_input", "is_dtensor", "moves", "refuse_dtensor"]
@@ -193,15 +193,16 @@ class MeshAxis:
         local = self.x.to_local()
         if shard_dim is not None:
             want, have = self.sizes(shard_dim)[self.rank], local.shape[shard_dim]
-            if torch.compiler.is_compiling() or isinstance(want, torch.SymInt):
-                says = f"{self.opname}: rank {self.rank}'s local shard is not torch.chunk's piece of dim {shard_dim}"
-                torch._check(want == have, lambda: says)
-            elif want != have:
-                raise ValueError(
-                    f"{self.opname}: `x` is {show(self.placement)} of a global shape {tuple(self.x.shape)}, so "
-                    f"rank {self.rank} of {self.where()} should hold {want} along dim {shard_dim}, but it "
-                    f"holds {have} (a DTensor built from uneven local shards)"
-                )
+            check_equal(
+                want,
+                have,
+                f"{self.opname}: rank {self.rank}'s local shard is not torch.chunk's piece of dim {shard_dim}",
+                lambda: (
+                    f"{self.opname}: `x` is {show(self.placement)} of a global shape {tuple(self.x.shape)}, "
+                    f"so rank {self.rank} of {self.where()} should hold {want} along dim {shard_dim}, but it holds "
+                    f"{have} (a DTensor built from uneven local shards)"
+                ),
+            )
         return local
 
     def wrap(self, local: Tensor, placement: Placement) -> DTensor:

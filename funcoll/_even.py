@@ -14,6 +14,7 @@ from ._checks import (
     REDUCE_OPS,
     IntLike,
     check_dim,
+    check_equal,
     check_rank,
     check_reduce_op,
     check_sizes,
@@ -71,6 +72,9 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
     Backward: ``reduce_scatter`` (sum) of the gradient along the same dim: each rank
     gets the sum over ranks of the gradient slice that came from it.
 
+    DTensor `x`: ``Shard(dim) -> Replicate()`` on the mesh dim `group` names, and
+    the backward keeps this rank's piece of the gradient (docs/dtensor.md).
+
     Example (2 ranks)::
 
         # rank 0: x = [[1, 2]]        rank 1: x = [[3, 4]]
@@ -122,6 +126,8 @@ def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
     Backward: ``reduce_scatter`` (sum): rank i gets the sum over ranks of row i of
     the gradient.
 
+    A DTensor `x` is refused: no placement describes the stack (docs/dtensor.md).
+
     Example (2 ranks)::
 
         # rank 0: x = [0., 0.]        rank 1: x = [1., 1.]
@@ -161,6 +167,9 @@ def reduce_scatter(
 
     Backward (``sum``): ``all_gather`` of the gradient along `dim` (ragged when
     `sizes` is given); ``avg`` divides that by world; the other ops have no gradient.
+
+    DTensor `x`: ``Partial(op) -> Shard(dim)`` in DTensor's chunk layout, with neither
+    `sizes` nor ``tiled=False`` (docs/dtensor.md).
 
     Example (2 ranks)::
 
@@ -237,6 +246,9 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     other ops have no gradient. Megatron's identity-backward pairs (identity forward
     with all_reduce backward, and the reverse) are what the region ops give
     (docs/index.md, Region ops).
+
+    DTensor `x`: ``Partial(op) -> Replicate()``, the gradient passed through
+    (docs/dtensor.md).
 
     Example (2 ranks)::
 
@@ -338,6 +350,9 @@ def all_to_all(
     rank whose ``x.shape[gather_dim]`` is not ``gather_sizes[rank]`` raises before
     communicating.
 
+    DTensor `x`: ``Shard(gather_dim) -> Shard(scatter_dim)``, both in DTensor's chunk
+    layout, without `scatter_sizes`/`gather_sizes` (docs/dtensor.md).
+
     Example (2 ranks, scatter_dim=1, gather_dim=0)::
 
         # rank 0: x = [[1, 2]]        rank 1: x = [[3, 4]]
@@ -380,15 +395,15 @@ def all_to_all(
     )
     if widths is not None:
         w, n = widths[g.rank], x.shape[gd]
-        if torch.compiler.is_compiling():  # SymInts look like ints to dynamo: assert at run time
-            # (the message may hold only constants: no sizes, which can be SymInts)
-            says = f"{opname}: rank {g.rank}'s x.shape[{gd}] is not its `gather_sizes` entry"
-            torch._check(w == n, lambda: says)
-        elif w != n:
-            raise ValueError(
+        check_equal(
+            w,
+            n,
+            f"{opname}: rank {g.rank}'s x.shape[{gd}] is not its `gather_sizes` entry",
+            lambda: (
                 f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
                 f"but its x.shape[{gd}]={n}"
-            )
+            ),
+        )
         if s == gd and not _static_equal(widths):
             raise ValueError(
                 f"{opname}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
@@ -460,6 +475,8 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     Backward: ``ppermute`` of the gradient with the inverse permutation (every pair
     reversed); ranks that sent nothing get a zero gradient.
 
+    DTensor `x`: ``Shard(d)`` with equal shards, kept (docs/dtensor.md).
+
     Example (2 ranks)::
 
         # rank 0: x = [1., 1.]        rank 1: x = [2., 2.]
@@ -471,16 +488,20 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     ax = dtensor_input(opname, x, group)
     if ax is not None:  # Shard(d) -> Shard(d): whole shards move, so they must be equal
         p = ax.placement
-        if not isinstance(p, Shard) or type(p) is not Shard:
+        if type(p) is not Shard:
             raise ax.refuse("Shard(d) with equal shards (ppermute moves whole shards between ranks)")
         ax.expect_unsharded_elsewhere(p.dim, "the Shard dim")
         n = ax.x.shape[p.dim]
-        if torch.compiler.is_compiling() or isinstance(n, torch.SymInt):
-            torch._check(n % ax.world == 0, lambda: f"{opname}: shards of unequal length")
-        elif n % ax.world:
-            raise ax.refuse(
-                f"Shard({p.dim}) with equal shards, and x.shape[{p.dim}]={n} does not divide by {ax.world}"
-            )
+        check_equal(
+            n % ax.world,
+            0,
+            f"{opname}: shards of unequal length",
+            lambda: str(
+                ax.refuse(
+                    f"Shard({p.dim}) with equal shards, and x.shape[{p.dim}]={n} does not divide by {ax.world}"
+                )
+            ),
+        )
         return ax.wrap(ppermute(ax.local(p.dim), perm, group=ax.group), p)
     g = resolve_group(opname, group)
     pairs = _check_perm(opname, perm, g.size)
@@ -522,6 +543,9 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
 
     Backward: the gradients of all ranks are summed onto `src`; the other ranks'
     inputs get zeros (their values were never used).
+
+    DTensor `x`: ``Replicate() -> Replicate()``, the gradient passed through
+    (docs/dtensor.md).
 
     Example (2 ranks)::
 

@@ -110,6 +110,9 @@ def gather(
     the ranks other than `dst` get None and so could never join the backward
     scatter; an `x` that requires grad is refused (on every rank) with a ValueError.
 
+    DTensor `x` (``dst=None``): ``Shard(dim) -> Replicate()``, the lengths read off
+    its global shape (docs/dtensor.md).
+
     Example (2 ranks)::
 
         # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
@@ -176,6 +179,8 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
     Backward: a ragged ``reduce_scatter`` (sum): rank i gets the sum over ranks of
     the gradients of element i.
 
+    A DTensor `x` is refused: a list per rank has no placement (docs/dtensor.md).
+
     Example (2 ranks)::
 
         # rank 0: x = [1.5, 2.3]      rank 1: x = [5.3]
@@ -211,6 +216,9 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
         the ``(world,)`` stack of every rank's scalar.
 
     Backward: a ragged ``reduce_scatter`` (sum) of the gradient of `y`.
+
+    DTensor `x`: ``Shard(dim) -> Replicate()``; `sizes` are its shards' lengths
+    (docs/dtensor.md).
 
     Example (2 ranks)::
 
@@ -311,6 +319,9 @@ def all_to_all_v(
         returned either way so the result type never depends on the arguments.
 
     Backward: ``all_to_all_v`` of the gradient with send and receive sizes swapped.
+
+    A DTensor `x` is refused: rows sent to any rank have no placement; see
+    :func:`funcoll.to_ragged` (docs/dtensor.md).
 
     Example (2 ranks)::
 

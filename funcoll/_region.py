@@ -113,17 +113,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         piece = grad.narrow(ctx.dim, ctx.start, ctx.len)
-        return (
-            _scaled(piece, ctx.scale, ctx.world).contiguous(),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return _scaled(piece, ctx.scale, ctx.world).contiguous(), *[None] * 8
 
 
 def split_forward_gather_backward(
@@ -143,6 +133,9 @@ def split_forward_gather_backward(
         A new tensor: this rank's piece, ``x.shape`` with ``shape[dim]`` the piece length.
 
     Backward: a (ragged) ``all_gather`` of the gradient along `dim`, scaled.
+
+    DTensor `x`: ``Replicate() -> Shard(dim)`` in DTensor's chunk layout
+    (docs/dtensor.md).
 
     Example (2 ranks)::
 
@@ -185,6 +178,8 @@ def gather_forward_split_backward(
         A new tensor: the concatenation of the ranks' pieces along `dim`.
 
     Backward: the slice of the gradient at this rank's rows, scaled; no communication.
+
+    DTensor `x`: ``Shard(dim) -> Replicate()`` (docs/dtensor.md).
 
     Example (2 ranks)::
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _prims
-from ._checks import IntLike, check_dim, check_tensor, fresh
+from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
 from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
 from ._group import Group, resolve_group
 from ._header import check_agreement, exchange
@@ -44,14 +44,13 @@ def _move(x: Tensor, dim: int, send: list[IntLike], recv: list[IntLike], g: Grou
 def _given_sizes(opname: str, x: Tensor, d: int, sizes: Sequence[int] | Tensor, g: Group) -> list[IntLike]:
     """from_ragged's `sizes`: world host ints whose entry for this rank is its x.shape[d]."""
     sizes = host_sizes(opname, "sizes", sizes, g.size)
-    n = x.shape[d]
-    if torch.compiler.is_compiling() or isinstance(sizes[g.rank], torch.SymInt):
-        says = f"{opname}: `sizes`[{g.rank}] is not this rank's x.shape[{d}]"
-        torch._check(sizes[g.rank] == n, lambda: says)
-    elif sizes[g.rank] != n:
-        raise ValueError(
-            f"{opname}: `sizes`={list(sizes)} says rank {g.rank} holds {sizes[g.rank]}, but its x.shape[{d}]={n}"
-        )
+    n, mine = x.shape[d], sizes[g.rank]
+    check_equal(
+        mine,
+        n,
+        f"{opname}: `sizes`[{g.rank}] is not this rank's x.shape[{d}]",
+        lambda: f"{opname}: `sizes`={list(sizes)} says rank {g.rank} holds {mine}, but its x.shape[{d}]={n}",
+    )
     check_agreement("from_ragged", x, g, d, sizes=sizes)
     return list(sizes)
 
@@ -231,11 +230,7 @@ def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | No
     d = p.dim
     ax.expect_unsharded_elsewhere(d, "the Shard dim")
     sz = host_sizes(opname, "sizes", sizes, ax.world)
-    n = ax.x.shape[d]
-    if torch.compiler.is_compiling() or any(isinstance(s, torch.SymInt) for s in [*sz, n]):
-        torch._check(sum(sz) == n, lambda: f"{opname}: `sizes` does not sum to x.shape[{d}]")
-    elif sum(sz) != n:
-        raise ValueError(f"{opname}: `sizes`={list(sz)} sums to {sum(sz)}, but x.shape[{d}]={n}")
+    check_total(opname, "sizes", sz, ax.x.shape[d], f"x.shape[{d}]")
     local = ax.local(d)
     g = Group(ax.name, ax.world, ax.rank)
     check_agreement("to_ragged", local, g, d, sizes=sz)

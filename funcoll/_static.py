@@ -141,6 +141,8 @@ def gather_padded(
     ``reduce_scatter`` (sum) gives rank r the sum over ranks of its rows; the
     gradient of the padding rows of ``x`` is zero.
 
+    A DTensor `x` is refused: a padded buffer has no placement (docs/dtensor.md).
+
     Example (2 ranks, B = 3)::
 
         # rank 0: x = [[1], [2], [0]], length = 2   rank 1: x = [[5], [9], [9]], length = 1
@@ -206,6 +208,8 @@ def all_to_all_padded(
     Backward: the adjoint. Each rank puts its gradient's rows back in one block of
     ``C`` rows per source rank (zeros on padding) and an all_to_all returns every
     block to its sender; the gradient of the padding rows of ``x`` is zero.
+
+    A DTensor `x` is refused: a padded buffer has no placement (docs/dtensor.md).
 
     Example (2 ranks, C = 2)::
 
