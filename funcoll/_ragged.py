@@ -129,7 +129,7 @@ def gather(
         if ax is not None:  # Shard(dim) -> Replicate(), the lengths known from the global shape
             _check_strategy(opname, strategy)
             return gather_shards(ax, ax.dim(dim), strategy)
-    refuse_dtensor(opname, x, f"with `dst`={dst} its result is on one rank", "dst=None")
+    refuse_dtensor(opname, x, "with a `dst` its result is on one rank", "dst=None")
     x, d, ndim = as_rows(opname, x, dim)
     strat = _check_strategy(opname, strategy)
     g = resolve_group(opname, group)

@@ -302,7 +302,7 @@ def bad_calls(world: int) -> list[BadCall]:
         BadCall("all_to_all_padded-dtensor", lambda m, m2: f.all_to_all_padded(_dt(m, (4, 2), "S0"), [0] * world),
                 ValueError, "all_to_all_padded", ("is a DTensor",)),
         BadCall("gather-dst", lambda m, m2: f.gather(_dt(m, (4, 2), "S0"), dst=0), ValueError,
-                "gather", ("`dst`=0",)),
+                "gather", ("with a `dst`",)),
         BadCall("all_gather-untiled", lambda m, m2: f.all_gather(_dt(m, (4, 2), "S0"), tiled=False), ValueError,
                 "all_gather", ("new dim",)),
         BadCall("all_gather_into_tensor", lambda m, m2: f.all_gather_into_tensor(_dt(m, (4, 2), "S0")),
