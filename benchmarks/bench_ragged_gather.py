@@ -9,7 +9,9 @@ times side by side (median of `iters` barrier-fenced runs after a warm-up):
   of an even shard holding the same total bytes (it allocates its output, like every
   functional op). Every other row is a ratio to this one.
 - ``funcoll.all_gather`` of the even shard: funcoll's even op, no size exchange.
-- ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``a2a``.
+- ``funcoll.gather`` with strategy ``auto`` (the default), ``pad`` and ``a2a``; and
+  ``auto`` and ``pad`` with ``sizes=`` (every rank's length passed in, as a caller
+  that already holds them does): no size exchange.
 - ``funcoll.gather_padded``: the static-shape gather, each rank's input already padded
   to the bound ``max(sizes)`` (as static-shape code holds it), its length a tensor; its
   result has ``world * max(sizes)`` rows, zeros after the data.
@@ -96,7 +98,7 @@ def _layouts(world: int, total_rows: int) -> dict[str, list[int]]:
 
 
 def _methods(
-    x: torch.Tensor, even: torch.Tensor, world: int, name: str, padded: torch.Tensor
+    x: torch.Tensor, even: torch.Tensor, world: int, name: str, padded: torch.Tensor, sizes: list[int]
 ) -> dict[str, Callable[[], object]]:
     ops = torch.ops._c10d_functional
     length = torch.tensor(x.shape[0])
@@ -107,6 +109,8 @@ def _methods(
         "funcoll.gather auto": lambda: funcoll.gather(x),
         "funcoll.gather pad": lambda: funcoll.gather(x, strategy="pad"),
         "funcoll.gather a2a": lambda: funcoll.gather(x, strategy="a2a"),
+        "funcoll.gather auto, sizes= (lengths known)": lambda: funcoll.gather(x, sizes=sizes),
+        "funcoll.gather pad, sizes= (lengths known)": lambda: funcoll.gather(x, strategy="pad", sizes=sizes),
         "funcoll.gather_padded (static shapes, bound max)": lambda: funcoll.gather_padded(padded, length),
         "pad+list (seed 000)": lambda: _pad_list_gather_seed000(x, world),
         "pad+list (seed 001)": lambda: _pad_list_gather_seed001(x, world),
@@ -115,16 +119,16 @@ def _methods(
     }
 
 
-def _bench(rank: int, world: int, mb: int, iters: int) -> dict[str, dict[str, float]]:
+def _bench(rank: int, world: int, mb: float, iters: int) -> dict[str, dict[str, float]]:
     name = dist.group.WORLD.group_name
-    total_rows = mb * 1024 * 1024 // (4 * ROW)
+    total_rows = max(world * (16 + world), int(mb * 1024 * 1024) // (4 * ROW))
     out: dict[str, dict[str, float]] = {}
     for layout, sizes in _layouts(world, total_rows).items():
         x = torch.randn(sizes[rank], ROW)
         even = torch.randn(sum(sizes) // world, ROW)
         # gather_padded's input as static-shape code holds it: padded to the bound already.
         padded = torch.cat([x, x.new_zeros(max(sizes) - sizes[rank], ROW)])
-        methods = _methods(x, even, world, name, padded)
+        methods = _methods(x, even, world, name, padded, sizes)
         # Interleave the methods over the rounds so drift hits all of them alike.
         rounds: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(3):
@@ -138,7 +142,7 @@ def _bench(rank: int, world: int, mb: int, iters: int) -> dict[str, dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--mb", type=float, default=64, help="MB gathered in all (0.125: 64 KiB a rank on 2)")
     parser.add_argument("--iters", type=int, default=9)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, gloo on CPU, {args.mb} MB gathered, float32 rows of {ROW}")

@@ -589,6 +589,15 @@ CASES: list[OpCase] = [
         at_scale=True,
     ),
     _case(
+        "gather-given-ragged-x_nx5-dim0",
+        _shaped("gather-given-ragged-x_nx5-dim0", _ragged, 5),
+        variant="given",  # every rank's length passed in: no header, one collective fewer
+        call=lambda x, group=None: funcoll.gather(
+            x, group=group, sizes=ragged_sizes(funcoll.axis_size(group))
+        ),
+        reference=_ref_cat(0),
+    ),
+    _case(
         "gather-auto-ragged-x3x_n-dim-1-noncontig",
         _shaped("gather-auto-ragged-x3x_n-dim-1-noncontig", 3, _ragged_alt, noncontig=True),
         call=lambda x, group=None: funcoll.gather(x, -1, group=group),

@@ -103,6 +103,10 @@ def _gather_dst_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor |
     return [torch.cat(xs) if r == dst else None for r in range(len(xs))]
 
 
+def _gather_given_step(x: Tensor, sizes: list[int]) -> Tensor | None:
+    return funcoll.gather(x, 0, sizes=sizes)
+
+
 def _all_gather_ragged_step(x: Tensor, arg: None) -> tuple[Tensor, Tensor]:
     return funcoll.all_gather_ragged(x, 0)
 
@@ -145,6 +149,10 @@ CASES = [
     Case("gather-auto-x(n,3)-dim0", _gather_step("auto", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
     Case("gather-pad-x(2,n)-dim-1", _gather_step("pad", -1), lambda ls, r: (2, ls[r]), _no_arg, _cat_everywhere(-1)),
     Case("gather-a2a-x(n,3)-dim0", _gather_step("a2a", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
+    Case(
+        "gather-sizes-given-x(n,3)-dim0", _gather_given_step, lambda ls, r: (ls[r], 3), lambda ls, r: list(ls),
+        _cat_everywhere(0),
+    ),
     Case(
         "gather-dst-last-x(n,3)-dim0", _gather_dst_step, lambda ls, r: (ls[r], 3),
         lambda ls, r: len(ls) - 1, _gather_dst_reference, grad=False,

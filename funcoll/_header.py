@@ -24,6 +24,7 @@ size exchange. docs/compile.md says what else this changes.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import REDUCE_OPS, IntLike
+from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
 from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._group import Group
@@ -307,6 +308,23 @@ def _check_gather_widths(opname: str, rows: list[list[int]]) -> None:
             )
 
 
+def _check_given_lengths(opname: str, rows: list[list[int]]) -> None:
+    """A ragged gather called with `sizes`: the tail holds the list, then a 1 ("given")."""
+    world = len(rows)
+    given = [r[WIDTH + world] for r in rows]
+    if not any(given):
+        return
+    if not all(given):
+        on, off = [i for i, f in enumerate(given) if f], [i for i, f in enumerate(given) if not f]
+        raise ValueError(f"{opname}: `sizes` was given on ranks {on} but not on ranks {off}")
+    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    lengths = [r[SIZE] for r in rows]
+    if _tails(rows)[0] != lengths:
+        raise ValueError(
+            f"{opname}: `sizes`={_tails(rows)[0]}, but the ranks hold {lengths} along dim {rows[0][DIM]}"
+        )
+
+
 def _check_same_sizes(opname: str, rows: list[list[int]]) -> None:
     _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
 
@@ -345,9 +363,9 @@ class Header:
 # Every op that exchanges a header, ragged ops first. A row's OP column is the
 # position here, the same on every rank.
 _BY_CODE: tuple[Header, ...] = (
-    Header("gather", args=(DST, STRATEGY)),
-    Header("all_gather_ragged", args=(None, STRATEGY)),
-    Header("all_gather_list", args=(None, STRATEGY)),
+    Header("gather", args=(DST, STRATEGY), checks=(_check_given_lengths,)),
+    Header("all_gather_ragged", args=(None, STRATEGY), checks=(_check_given_lengths,)),
+    Header("all_gather_list", args=(None, STRATEGY), checks=(_check_given_lengths,)),
     Header("all_to_all_v", reads=SEND_RECV, checks=(_check_send_sizes,)),
     Header(
         "reduce_scatter",
@@ -355,7 +373,7 @@ _BY_CODE: tuple[Header, ...] = (
         reads=SLICE_SIZES,
         checks=(_check_slice_sizes,),
     ),
-    Header("gather_forward_split_backward", args=(None, STRATEGY)),
+    Header("gather_forward_split_backward", args=(None, STRATEGY), checks=(_check_given_lengths,)),
     Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
     Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
@@ -425,3 +443,67 @@ def _allow_unbacked_output_sizes() -> None:
 
 
 _allow_unbacked_output_sizes()
+
+
+def host_sizes(opname: str, arg: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
+    """`sizes` (checked by ``check_sizes``) as world host ints; from a tensor, unbacked SymInts in a graph."""
+    sizes = check_sizes(opname, arg, sizes, world)
+    if not isinstance(sizes, Tensor):
+        return sizes
+    values = host_ints(
+        sizes.reshape(-1)
+    )  # a device-to-host sync for a device tensor: the sizes shape the output
+    if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
+        return values
+    return check_sizes(opname, arg, values, world)  # the values: a negative one is a ValueError
+
+
+def given_sizes(
+    opname: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor | None, g: Group
+) -> list[IntLike] | None:
+    """The `sizes` a caller passed to a ragged gather, as world host ints (None stays None).
+
+    Checked before any communication: the list (``check_sizes``), and, unless
+    ``funcoll.set_checks(True)`` sends it in the header for every rank to check
+    (:func:`row_sizes`), this rank's own entry against its length. A tensor is read
+    here once (a device-to-host sync for a GPU tensor: the sizes shape the output).
+    """
+    if sizes is None:
+        return None
+    sz = host_sizes(opname, "sizes", sizes, g.size)
+    if g.is_single or not checks_enabled():
+        mine, n = sz[g.rank], x.shape[dim]
+        check_equal(
+            mine,
+            n,
+            f"{opname}: `sizes`[{g.rank}] is not this rank's x.shape[{dim}]",
+            lambda: (
+                f"{opname}: `sizes`={list(sz)} says rank {g.rank} holds {mine}, but its x.shape[{dim}]={n}"
+            ),
+        )
+    return list(sz)
+
+
+def row_sizes(
+    key: str,
+    x: Tensor,
+    dim: int,
+    g: Group,
+    args: tuple[int, int],
+    ndim: int | None = None,
+    sizes: list[IntLike] | None = None,
+) -> tuple[list[IntLike], Stats]:
+    """Every rank's length along `dim` and their (min, max, sum): exchanged, or `sizes` (from given_sizes).
+
+    Given sizes replace the header exchange: one collective fewer. With
+    ``funcoll.set_checks(True)`` the header still travels and carries the given
+    list, so that ranks whose lists or lengths disagree all raise.
+    """
+    if sizes is None:
+        _, ints = exchange(key, x, dim, g, args=args, ndim=ndim)
+        return split_stats(ints, g.size)
+    if checks_enabled():
+        flagged = torch.tensor([*(int(n) for n in sizes), 1], dtype=torch.int64)  # the list, then "given"
+        exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
+    stats = (functools.reduce(torch.sym_min, sizes), functools.reduce(torch.sym_max, sizes), sum(sizes))
+    return sizes, stats

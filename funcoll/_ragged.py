@@ -28,7 +28,7 @@ from ._checks import (
 )
 from ._dtensor import dtensor_input, refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
-from ._header import SIZE, WIDTH, exchange, host_ints, split_stats
+from ._header import SIZE, WIDTH, exchange, given_sizes, host_sizes, row_sizes, split_stats
 from ._region import gather_shards
 from ._strategy import STRATEGIES
 from ._wire import unwire, wire, wire_op
@@ -58,14 +58,19 @@ def as_rows(opname: str, x: Tensor, dim: object) -> tuple[Tensor, int, int | Non
 
 
 def ragged_all_gather(
-    key: str, x: Tensor, dim: int, g: Group, strategy: str = "auto", ndim: int | None = None
-) -> tuple[Tensor, list[IntLike], Tensor]:
-    """Exchange sizes, then gather: returns (result, sizes as host ints, the header table)."""
-    table, ints = exchange(key, x, dim, g, args=(-1, STRATEGIES.index(strategy)), ndim=ndim)
-    sizes, stats = split_stats(ints, g.size)
-    y = _prims.gather_rows(wire(x).movedim(dim, 0), sizes, strategy, g.name, g.size, g.rank, stats)
+    key: str,
+    x: Tensor,
+    dim: int,
+    g: Group,
+    strategy: str = "auto",
+    ndim: int | None = None,
+    sizes: Sequence[int] | Tensor | None = None,
+) -> tuple[Tensor, list[IntLike]]:
+    """The sizes (exchanged or given), then the gather: returns (result, sizes as host ints)."""
+    sz, stats = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes)
+    y = _prims.gather_rows(wire(x).movedim(dim, 0), sz, strategy, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
-    return (y if dim == 0 else y.movedim(0, dim).contiguous()), sizes, table
+    return (y if dim == 0 else y.movedim(0, dim).contiguous()), sz
 
 
 def gather(
@@ -75,6 +80,7 @@ def gather(
     *,
     group: GroupLike = None,
     strategy: str = "auto",
+    sizes: Sequence[int] | Tensor | None = None,
 ) -> Tensor | None:
     """Concatenate every rank's `x` along `dim`, where each rank may hold a different length.
 
@@ -99,6 +105,12 @@ def gather(
             (no copies when sizes are equal); ``"a2a"`` sends everything in the
             all_to_all_singles. Each issues the same collectives whatever the
             sizes, in eager and compiled code alike.
+        sizes: every rank's length along `dim` (world ints, or an int tensor), when
+            the caller knows them: a sequence-parallel step whose layers gather the
+            same lengths, lengths a data loader or an earlier exchange gave. Nothing
+            is exchanged, so the call is one collective fewer (a tensor's values are
+            read on the host: a device-to-host sync for a GPU tensor). None: funcoll
+            exchanges them.
 
     Returns:
         ``x.shape`` with ``shape[dim] = sum(sizes)``, ranks in order (a new tensor),
@@ -135,19 +147,19 @@ def gather(
     g = resolve_group(opname, group)
     if dst is not None:
         check_rank(opname, "dst", dst, g.size)
+    sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         _refuse_grad_to_dst(opname, x, dst)
         return fresh(x)
     if dst is None:
-        return ragged_all_gather("gather", x, d, g, strategy, ndim)[0]
-    _, ints = exchange("gather", x, d, g, args=(dst, strat), ndim=ndim)
-    sizes = ints[: g.size]
+        return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes)[0]
+    sz, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
     _refuse_grad_to_dst(opname, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
-    n = sizes[g.rank]
+    n = sz[g.rank]
     torch._check(xm.shape[0] == n)
     send = [n if j == dst else 0 for j in range(g.size)]
-    recv = list(sizes) if g.rank == dst else [0] * g.size
+    recv = list(sz) if g.rank == dst else [0] * g.size
     got = _prims.all_to_all_p(xm, recv, send, g.name)
     if g.rank != dst:
         return None
@@ -163,13 +175,17 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
         )
 
 
-def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list[Tensor]:
+def all_gather_list(
+    x: Tensor, dim: int = 0, *, group: GroupLike = None, sizes: Sequence[int] | Tensor | None = None
+) -> list[Tensor]:
     """Gather every rank's `x` (ragged along `dim`) as a list with one tensor per rank.
 
     Args:
         x: this rank's tensor; the ragged data model of :func:`gather`.
         dim: the ragged dim.
         group: the communicator.
+        sizes: every rank's length along `dim`, when the caller knows them: nothing
+            is exchanged (as in :func:`gather`).
 
     Returns:
         ``[x_0, x_1, ...]``: rank i's tensor at index i, as views into one gathered
@@ -192,22 +208,26 @@ def all_gather_list(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> list
     x0 = x
     x, d, ndim = as_rows(opname, x, dim)
     g = resolve_group(opname, group)
+    sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return [fresh(x0)]
-    _, ints = exchange("all_gather_list", x, d, g, args=(-1, STRATEGIES.index("auto")), ndim=ndim)
-    sizes, stats = split_stats(ints, g.size)
-    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sizes, "auto", g.name, g.size, g.rank, stats)
+    sz, stats = row_sizes("all_gather_list", x, d, g, (-1, STRATEGIES.index("auto")), ndim, sizes)
+    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sz, "auto", g.name, g.size, g.rank, stats)
     pieces = [unwire(p, x.dtype).movedim(0, d) for p in pieces]
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
 
-def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tuple[Tensor, Tensor]:
+def all_gather_ragged(
+    x: Tensor, dim: int = 0, *, group: GroupLike = None, sizes: Sequence[int] | Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Gather every rank's `x` (ragged along `dim`) and the per-rank sizes.
 
     Args:
         x: this rank's tensor; the ragged data model of :func:`gather`.
         dim: the ragged dim.
         group: the communicator.
+        sizes: every rank's length along `dim`, when the caller knows them: nothing
+            is exchanged (as in :func:`gather`), and they are returned.
 
     Returns:
         ``(y, sizes)``: `y` is the concatenation along `dim` in rank order, `sizes` an
@@ -234,23 +254,19 @@ def all_gather_ragged(x: Tensor, dim: int = 0, *, group: GroupLike = None) -> tu
         return y, torch.tensor(ax.sizes(d), dtype=torch.int64, device=y.device)
     x, d, ndim = as_rows(opname, x, dim)
     g = resolve_group(opname, group)
+    given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
-    y, _, table = ragged_all_gather("all_gather_ragged", x, d, g, ndim=ndim)
-    return y, table[:, SIZE].clone()
-
-
-def host_sizes(opname: str, arg: str, sizes: Sequence[int] | Tensor, world: int) -> list[IntLike]:
-    """`sizes` (checked by ``check_sizes``) as world host ints; from a tensor, unbacked SymInts in a graph."""
-    sizes = check_sizes(opname, arg, sizes, world)
-    if not isinstance(sizes, Tensor):
-        return sizes
-    values = host_ints(
-        sizes.reshape(-1)
-    )  # a device-to-host sync for a device tensor: the sizes shape the output
-    if torch.compiler.is_compiling():  # unbacked SymInts: host_ints checked n >= 0 at run time
-        return values
-    return check_sizes(opname, arg, values, world)  # the values: a negative one is a ValueError
+    if sizes is None:
+        table, ints = exchange("all_gather_ragged", x, d, g, args=(-1, STRATEGIES.index("auto")), ndim=ndim)
+        sz, stats = split_stats(ints, g.size)
+        counts = table[:, SIZE].clone()
+    else:
+        sz, stats = row_sizes("all_gather_ragged", x, d, g, (-1, STRATEGIES.index("auto")), ndim, given)
+        as_given = sizes if isinstance(sizes, Tensor) else torch.tensor(sz, dtype=torch.int64)
+        counts = as_given.to(device=x.device, dtype=torch.int64).reshape(-1).clone()
+    y = unwire(_prims.gather_rows(wire(x).movedim(d, 0), sz, "auto", g.name, g.size, g.rank, stats), x.dtype)
+    return (y if d == 0 else y.movedim(0, d).contiguous()), counts
 
 
 def _check_total(opname: str, arg: str, sizes: list[IntLike], x: Tensor, dim: int) -> None:

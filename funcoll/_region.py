@@ -12,6 +12,7 @@ Uneven dims follow ``torch.tensor_split``: along a dim of length n the first
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,7 @@ from . import _prims
 from ._checks import IntLike, check_dim, check_tensor, fresh, tensor_split_sizes
 from ._dtensor import MeshAxis, dtensor_input
 from ._group import Group, GroupLike, resolve_group
-from ._header import GRAD_SCALES, check_agreement, exchange, split_stats
+from ._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
 from ._wire import unwire, wire
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
@@ -162,7 +163,12 @@ def split_forward_gather_backward(
 
 
 def gather_forward_split_backward(
-    x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
+    x: Tensor,
+    group: GroupLike,
+    dim: int,
+    grad_scale: GradScale = None,
+    *,
+    sizes: Sequence[int] | Tensor | None = None,
 ) -> Tensor:
     """Gather every rank's piece along `dim`; the backward keeps this rank's piece of the gradient.
 
@@ -173,6 +179,9 @@ def gather_forward_split_backward(
         dim: the dim to concatenate along, in rank order.
         grad_scale: ``"up"``, ``"down"`` or None (1.0 means None), as in
             :func:`split_forward_gather_backward`.
+        sizes: every rank's length along `dim` (world ints, or an int tensor), when
+            the caller knows them (``funcoll.split_sizes(n, world)`` after a
+            split): nothing is exchanged, as in :func:`funcoll.gather`.
 
     Returns:
         A new tensor: the concatenation of the ranks' pieces along `dim`.
@@ -192,10 +201,10 @@ def gather_forward_split_backward(
     if ax is not None:
         return gather_shards(ax, ax.dim(dim), scale=_check_grad_scale(opname, grad_scale))
     x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
+    given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x)
-    _, ints = exchange("gather_forward_split_backward", x, d, g)
-    sizes, stats = split_stats(ints, g.size)
+    sizes, stats = row_sizes("gather_forward_split_backward", x, d, g, (0, 0), sizes=given)
     return _GatherForwardSplitBackward.apply(x, d, sizes, stats, scale, g.name, g.size, g.rank, "auto")
 
 

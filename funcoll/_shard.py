@@ -27,8 +27,7 @@ from . import _prims
 from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
 from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
 from ._group import Group, resolve_group
-from ._header import check_agreement, exchange
-from ._ragged import host_sizes
+from ._header import check_agreement, exchange, host_sizes
 from ._wire import unwire, wire
 
 __all__ = ["from_ragged", "to_ragged"]

@@ -66,9 +66,11 @@ def _fixed(fw: dict[str, int], bw: dict[str, int] | None) -> Callable[[int, str]
 
 
 def _ragged_gather(world: int, variant: str) -> Plan:
-    """gather, all_gather_list, all_gather_ragged: the header, then the rows; variant: the strategy or "dst"."""
+    """gather, all_gather_list, all_gather_ragged: the header, then the rows; variant: the strategy, "dst" or "given"."""
     if variant == "dst":  # one all_to_all to dst; no backward (inputs may not require grad)
         return _plus(HEADER, {A2A: 1}), None
+    if variant == "given":  # `sizes` passed in: no header
+        return _rows(world)
     fw, bw = _rows(world, variant or "auto")
     return _plus(HEADER, fw), bw
 

@@ -213,6 +213,26 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _chunks(c: Case, sizes: tuple[int, ...], dim: int) -> list[int]:
+    """torch.chunk's lengths of tensor dim `dim` over the acted mesh dim (the reference's own)."""
+    n, parts = c.shape[dim], sizes[c.on]
+    got = [p.shape[0] for p in torch.chunk(torch.empty(n), parts)] if n else []
+    return got + [0] * (parts - len(got))
+
+
+# The plain ops that compute the same local result (the plain group: the mesh dim's).
+PLAIN: dict[str, Callable[..., Tensor]] = {
+    "all_gather": lambda t, g, kw, c, sz: funcoll.gather(t, kw["dim"], group=g),  # ragged: exchanges sizes
+    "reduce_scatter": lambda t, g, kw, c, sz: funcoll.reduce_scatter(
+        t, kw["dim"], group=g, op=kw.get("op", "sum"), sizes=_chunks(c, sz, kw["dim"])
+    ),
+    "all_to_all": lambda t, g, kw, c, sz: funcoll.all_to_all(
+        t, g, kw["scatter_dim"], kw["gather_dim"], scatter_sizes=_chunks(c, sz, kw["scatter_dim"]),
+        gather_sizes=_chunks(c, sz, kw["gather_dim"]),
+    ),
+}  # fmt: skip
+
+
 def run_case(c: Case, rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -237,6 +257,9 @@ def run_case(c: Case, rank: int, world: int) -> dict[str, Any]:
     out["layout"] = (
         distribute_tensor(out["full"], mesh, exact).to_local() if exact == list(y.placements) else None
     )
+    # the same collective on the plain local shard, where the plain op has one (its own code path)
+    plain = PLAIN.get(c.op)
+    out["plain"] = None if plain is None else plain(leaf.detach(), group_arg(c, mesh), c.kw, c, sizes)
     if c.grad:  # one global loss: W replicated where y is partial
         w = distribute_tensor(seeded(c.shape, F64, c.id, "w"), mesh, exact)
         (y * w).sum().full_tensor().backward()
@@ -481,6 +504,8 @@ def test_values_and_layout(world: int, c: Case) -> None:
         # the local shard is the one DTensor itself puts there (torch.chunk's layout)
         if got["layout"] is not None:
             torch.testing.assert_close(got["local"], got["layout"], rtol=0, atol=0)
+        if got["plain"] is not None:  # the plain op on the local shard agrees
+            torch.testing.assert_close(got["local"], got["plain"], rtol=0, atol=0)
         if c.op == "all_gather_ragged":
             assert got["sizes"] == chunk_sizes(c.shape[c.kw["dim"]], mesh_sizes(c, world)[c.on])
 

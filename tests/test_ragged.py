@@ -69,6 +69,7 @@ class Case:
     reduce_op: str = "sum"  # reduce_scatter
     sizes_as: str = "list"  # reduce_scatter / all_to_all_v: sizes passed as a list or a tensor
     exchange: bool = True  # all_to_all_v: recv_sizes=None, so funcoll exchanges them
+    given: str = ""  # the gathers: "list"/"tensor" passes every rank's length as `sizes` (no exchange)
     grad: bool = False
 
     @property
@@ -102,6 +103,8 @@ class Case:
             op = f"all_to_all_v-{self.sizes_as}-{'exchanged' if self.exchange else 'given'}"
         else:
             op = self.op
+        if self.given:
+            op += f"-sizes_{self.given}"
         if self.op == "all_to_all_v":
             sizes = "send" + "_".join(".".join(map(str, row)) for row in self.counts)
         else:
@@ -153,9 +156,19 @@ def explicit_cases(world: int) -> list[Case]:
         {"op": "all_gather_list"},
         {"op": "all_gather_ragged"},
     ]
-    for variant in gather_variants:  # every variant with every size pattern
+    given_variants: list[dict[str, Any]] = [  # the lengths passed in: nothing exchanged
+        {"op": "gather", "strategy": "auto", "given": "list"},
+        {"op": "gather", "strategy": "pad", "given": "tensor"},
+        {"op": "gather", "dst": world - 1, "given": "list"},
+        {"op": "all_gather_list", "given": "list"},
+        {"op": "all_gather_ragged", "given": "tensor"},
+    ]
+    for variant in gather_variants + given_variants:  # every variant with every size pattern
         for pattern in SIZE_PATTERNS:
             cases.append(make(pattern=pattern, **variant))
+    for variant in (given_variants[0], given_variants[-1]):
+        for pattern in SIZE_PATTERNS[:3]:
+            cases.append(make(pattern=pattern, dtype="float64", grad=True, **variant))
     for dtype in DTYPES:  # every gather variant in every dtype
         for variant in [*gather_variants[:3], gather_variants[-3], *gather_variants[-2:]]:
             cases.append(make(pattern="zero-on-0-2", dtype=dtype, **variant))
@@ -301,12 +314,13 @@ def sizes_arg(sizes: list[int], sizes_as: str) -> list[int] | Tensor:
 
 # --------------------------------------------------------------------------------- rank side
 def call_op(case: Case, x: Tensor, rank: int) -> Any:
+    given = {"sizes": sizes_arg(case.sizes, case.given)} if case.given else {}
     if case.op == "gather":
-        return funcoll.gather(x, case.dim, case.dst, strategy=case.strategy)
+        return funcoll.gather(x, case.dim, case.dst, strategy=case.strategy, **given)
     if case.op == "all_gather_list":
-        return funcoll.all_gather_list(x, case.dim)
+        return funcoll.all_gather_list(x, case.dim, **given)
     if case.op == "all_gather_ragged":
-        return funcoll.all_gather_ragged(x, case.dim)
+        return funcoll.all_gather_ragged(x, case.dim, **given)
     if case.op == "reduce_scatter":
         return funcoll.reduce_scatter(
             x, case.dim, op=case.reduce_op, sizes=sizes_arg(case.sizes, case.sizes_as)

@@ -129,6 +129,23 @@ MISMATCHES: dict[str, Mismatch] = {
         lambda w: ["dtype", "rank 0: int64", f"rank {w - 1}: bool"],
         ("all_gather_ragged", "all_gather_ragged"),
     ),
+    "gather-sizes-disagree": Mismatch(  # the last rank passes another list: every rank raises
+        lambda r, w, odd: funcoll.gather(
+            rows(r, r + 1, 5), sizes=[n + 1 for n in range(w)][:: -1 if odd else 1]
+        ),
+        lambda w: ["ranks disagree on `sizes`", f"rank 0: {list(range(1, w + 1))}"],
+        ("gather", "gather"),
+    ),
+    "gather-sizes-wrong": Mismatch(  # every rank passes the same list, the last rank's entry is off
+        lambda r, w, odd: funcoll.gather(rows(r, r + 2 if odd else r + 1, 5), sizes=list(range(1, w + 1))),
+        lambda w: [f"`sizes`={list(range(1, w + 1))}", "but the ranks hold"],
+        ("gather", "gather"),
+    ),
+    "gather-sizes-given-on-some": Mismatch(
+        lambda r, w, odd: funcoll.gather(rows(r, r + 1, 5), sizes=None if odd else list(range(1, w + 1))),
+        lambda w: ["`sizes` was given on ranks", f"but not on ranks [{w - 1}]"],
+        ("gather", "gather"),
+    ),
     "all_to_all_v-trailing-shape": Mismatch(
         lambda r, w, odd: _a2a(rows(r, w, 7 if odd else 5), [1] * w),
         lambda w: [

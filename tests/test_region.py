@@ -49,11 +49,12 @@ class RegionCase:
     grad: bool = False
     transposed: bool = False  # x is a non-contiguous transpose of its last two dims
     sizes: tuple[int, ...] | None = None  # GATHER: each rank's length; None: torch.tensor_split pieces
+    given: bool = False  # GATHER: pass the lengths as `sizes=` (nothing exchanged)
 
 
 def region_case(op: str, shape: tuple[int, ...], dtype: torch.dtype, dim: int, grad_scale: GradScale = None,
                 *, grad: bool = False, transposed: bool = False,
-                sizes: tuple[int, ...] | None = None) -> RegionCase:  # fmt: skip
+                sizes: tuple[int, ...] | None = None, given: bool = False) -> RegionCase:  # fmt: skip
     """A case whose id reads as what it tests, e.g. ``gather-x7x5-dim0-scaleup-f64-T-grad``."""
     parts = [
         op.split("_")[0],
@@ -63,10 +64,11 @@ def region_case(op: str, shape: tuple[int, ...], dtype: torch.dtype, dim: int, g
         f"scale{grad_scale}" if grad else "",
         DTYPE_NAMES[dtype],
         "T" if transposed else "",
+        "given" if given else "",
         "grad" if grad else "",
     ]
     return RegionCase(
-        "-".join(p for p in parts if p), op, shape, dtype, dim, grad_scale, grad, transposed, sizes
+        "-".join(p for p in parts if p), op, shape, dtype, dim, grad_scale, grad, transposed, sizes, given
     )
 
 
@@ -103,6 +105,8 @@ def region_cases(world: int) -> list[RegionCase]:
         region_case(GATHER, (2, 5), F64, 0, "down", grad=True),
         region_case(GATHER, (3, n), F64, 1, "up", grad=True, sizes=rag),
         region_case(GATHER, (n, 3), F64, -2, None, grad=True, sizes=rag, transposed=True),
+        region_case(GATHER, (n, 5), F32, 0, sizes=rag, given=True),
+        region_case(GATHER, (3, n), F64, 1, "up", grad=True, sizes=rag, given=True),
     ]
     assert len({c.id for c in cases}) == len(cases), "case ids must be unique"
     return cases
@@ -188,7 +192,8 @@ def bad_call_outcome(b: BadCall) -> tuple[str, str]:
 
 def run_case(c: RegionCase, rank: int, world: int) -> dict[str, Any]:
     leaf, x = make_input(c, rank, world)
-    y = getattr(funcoll, c.op)(x, None, c.dim, c.grad_scale)
+    given = {"sizes": list(c.sizes)} if c.given else {}  # pieces(): the lengths every rank holds
+    y = getattr(funcoll, c.op)(x, None, c.dim, c.grad_scale, **given)
     out: dict[str, Any] = {
         "y": y.detach(),
         "contiguous": y.is_contiguous(),

@@ -29,6 +29,12 @@ SLOTS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("all_to_all", "gather_sizes"): lambda bad: funcoll.all_to_all(X, None, 1, 2, gather_sizes=bad),
     ("all_to_all_padded", "send_sizes"): lambda bad: funcoll.all_to_all_padded(X, bad),
     ("gather_padded", "length"): lambda bad: funcoll.gather_padded(X, bad),
+    ("gather", "sizes"): lambda bad: funcoll.gather(X, sizes=bad),
+    ("all_gather_list", "sizes"): lambda bad: funcoll.all_gather_list(X, sizes=bad),
+    ("all_gather_ragged", "sizes"): lambda bad: funcoll.all_gather_ragged(X, sizes=bad),
+    ("gather_forward_split_backward", "sizes"): lambda bad: funcoll.gather_forward_split_backward(
+        X, None, 0, sizes=bad
+    ),
 }
 TAKES_NO_TENSOR = {("all_to_all", "scatter_sizes"), ("all_to_all", "gather_sizes")}
 ONE_COUNT = {("gather_padded", "length")}  # one int (or a one-element tensor), not a list
@@ -128,3 +134,12 @@ def test_every_size_argument_is_covered() -> None:
                 found.add((name, p))
     covered = set(SLOTS) | DTENSOR_SLOTS
     assert found == covered, f"size arguments without a case: {found - covered}"
+
+
+@pytest.mark.parametrize("op", ["gather", "all_gather_list", "all_gather_ragged"])
+def test_given_sizes_must_hold_this_ranks_length(op: str) -> None:
+    """`sizes` whose entry for this rank is not its length is refused before communicating."""
+    with pytest.raises(ValueError) as info:
+        getattr(funcoll, op)(X, sizes=[5])
+    message = str(info.value)
+    assert message.startswith(f"funcoll.{op}: `sizes`=[5] says rank 0 holds 5, but its x.shape[0]=2"), message
