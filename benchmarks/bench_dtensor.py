@@ -32,31 +32,17 @@ measured in the same process group; tests never assert on them.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _timing import fenced_median  # benchmarks/, beside this script
 
 import funcoll
 from funcoll._dtensor import chunk_sizes, moves
 from funcoll.testing import run_ranks
 
 ROW = 1024
-
-
-def _time(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _gather_then_chunk(piece: torch.Tensor, mesh: object, world: int) -> object:
@@ -97,8 +83,8 @@ def _body(rank: int, world: int, mb: int, iters: int) -> dict[str, object]:
     assert torch.equal(
         funcoll.all_to_all(x, None, 2, 1).to_local(), x.redistribute(mesh, [Shard(2)]).to_local()
     )
-    base = _time(lambda: x.redistribute(mesh, [Shard(2)]), iters)
-    ours = _time(lambda: funcoll.all_to_all(x, None, 2, 1), iters)
+    base = fenced_median(lambda: x.redistribute(mesh, [Shard(2)]), iters)
+    ours = fenced_median(lambda: funcoll.all_to_all(x, None, 2, 1), iters)
     elem = full.element_size() * heads * dim  # bytes per sequence position
     s_sizes, h_sizes = chunk_sizes(seq, world), chunk_sizes(heads, world)
     # gloo's redistribute: an all_gather of every rank's Shard(1) piece (padded to the longest)
@@ -112,8 +98,8 @@ def _body(rank: int, world: int, mb: int, iters: int) -> dict[str, object]:
     piece = torch.randn(lengths[rank], ROW)
     got, _ = funcoll.from_ragged(piece, group=mesh)
     assert torch.equal(got.to_local(), _gather_then_chunk(piece, mesh, world).to_local())
-    base = _time(lambda: _gather_then_chunk(piece, mesh, world), iters)
-    ours = _time(lambda: funcoll.from_ragged(piece, group=mesh), iters)
+    base = fenced_median(lambda: _gather_then_chunk(piece, mesh, world), iters)
+    ours = fenced_median(lambda: funcoll.from_ragged(piece, group=mesh), iters)
     row_bytes = ROW * 4
     gather_bytes = world * (world - 1) * max(lengths) * row_bytes
     moved = sum(sum(s for j, s in enumerate(moves(lengths, chunk_sizes(sum(lengths), world), r)[0]) if j != r)

@@ -35,29 +35,16 @@ preallocated row shows what that costs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _timing import fenced_median  # benchmarks/, beside this script
 
 import funcoll
 from funcoll.testing import run_ranks
 
 ROW = 1024
-
-
-def _time(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _pad_list_gather_seed000(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -133,7 +120,7 @@ def _bench(rank: int, world: int, mb: float, iters: int) -> dict[str, dict[str, 
         rounds: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(3):
             for m, fn in methods.items():
-                rounds[m].append(_time(fn, max(1, iters // 3)))
+                rounds[m].append(fenced_median(fn, max(1, iters // 3)))
         out[layout] = {m: min(ts) for m, ts in rounds.items()}
         out[layout]["_sizes"] = sizes  # type: ignore[assignment]
     return out
