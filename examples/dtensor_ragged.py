@@ -31,6 +31,7 @@ def main() -> None:
     back = funcoll.to_ragged(x * 10, sizes)  # every rank its own tokens, times 10
     assert torch.equal(back, tokens * 10)
     print(f"rank {rank}: got its {back.shape[0]} tokens back")
+    dist.barrier()  # no rank tears gloo down while its peer still reads: that aborts the peer
     dist.destroy_process_group()
 
 
