@@ -492,18 +492,19 @@ def row_sizes(
     args: tuple[int, int],
     ndim: int | None = None,
     sizes: list[IntLike] | None = None,
-) -> tuple[list[IntLike], Stats]:
-    """Every rank's length along `dim` and their (min, max, sum): exchanged, or `sizes` (from given_sizes).
+) -> tuple[list[IntLike], Stats, Tensor | None]:
+    """Every rank's length along `dim`, their (min, max, sum), and the exchanged header table.
 
-    Given sizes replace the header exchange: one collective fewer. With
+    The lengths are exchanged, or `sizes` (from :func:`given_sizes`), which replace
+    the header exchange: one collective fewer, and no table (None). With
     ``funcoll.set_checks(True)`` the header still travels and carries the given
     list, so that ranks whose lists or lengths disagree all raise.
     """
     if sizes is None:
-        _, ints = exchange(key, x, dim, g, args=args, ndim=ndim)
-        return split_stats(ints, g.size)
+        table, ints = exchange(key, x, dim, g, args=args, ndim=ndim)
+        return (*split_stats(ints, g.size), table)
     if checks_enabled():
         flagged = torch.tensor([*(int(n) for n in sizes), 1], dtype=torch.int64)  # the list, then "given"
         exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
     stats = (functools.reduce(torch.sym_min, sizes), functools.reduce(torch.sym_max, sizes), sum(sizes))
-    return sizes, stats
+    return sizes, stats, None

@@ -64,13 +64,13 @@ def ragged_all_gather(
     g: Group,
     strategy: str = "auto",
     ndim: int | None = None,
-    sizes: Sequence[int] | Tensor | None = None,
-) -> tuple[Tensor, list[IntLike]]:
-    """The sizes (exchanged or given), then the gather: returns (result, sizes as host ints)."""
-    sz, stats = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes)
+    sizes: list[IntLike] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The sizes (exchanged, or given by :func:`given_sizes`), then the gather: (result, header table or None)."""
+    sz, stats, table = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes)
     y = _prims.gather_rows(wire(x).movedim(dim, 0), sz, strategy, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
-    return (y if dim == 0 else y.movedim(0, dim).contiguous()), sz
+    return (y if dim == 0 else y.movedim(0, dim).contiguous()), table
 
 
 def gather(
@@ -153,7 +153,7 @@ def gather(
         return fresh(x)
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes)[0]
-    sz, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
+    sz, _, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
     _refuse_grad_to_dst(opname, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
     xm = wire(x).movedim(d, 0)
     n = sz[g.rank]
@@ -211,7 +211,7 @@ def all_gather_list(
     sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return [fresh(x0)]
-    sz, stats = row_sizes("all_gather_list", x, d, g, (-1, STRATEGIES.index("auto")), ndim, sizes)
+    sz, stats, _ = row_sizes("all_gather_list", x, d, g, (-1, STRATEGIES.index("auto")), ndim, sizes)
     pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sz, "auto", g.name, g.size, g.rank, stats)
     pieces = [unwire(p, x.dtype).movedim(0, d) for p in pieces]
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
@@ -257,16 +257,11 @@ def all_gather_ragged(
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
-    if sizes is None:
-        table, ints = exchange("all_gather_ragged", x, d, g, args=(-1, STRATEGIES.index("auto")), ndim=ndim)
-        sz, stats = split_stats(ints, g.size)
-        counts = table[:, SIZE].clone()
-    else:
-        sz, stats = row_sizes("all_gather_ragged", x, d, g, (-1, STRATEGIES.index("auto")), ndim, given)
-        as_given = sizes if isinstance(sizes, Tensor) else torch.tensor(sz, dtype=torch.int64)
-        counts = as_given.to(device=x.device, dtype=torch.int64).reshape(-1).clone()
-    y = unwire(_prims.gather_rows(wire(x).movedim(d, 0), sz, "auto", g.name, g.size, g.rank, stats), x.dtype)
-    return (y if d == 0 else y.movedim(0, d).contiguous()), counts
+    y, table = ragged_all_gather("all_gather_ragged", x, d, g, ndim=ndim, sizes=given)
+    if table is not None:
+        return y, table[:, SIZE].clone()
+    as_given = sizes if isinstance(sizes, Tensor) else torch.tensor(given, dtype=torch.int64)
+    return y, as_given.to(device=x.device, dtype=torch.int64).reshape(-1).clone()
 
 
 def _check_total(opname: str, arg: str, sizes: list[IntLike], x: Tensor, dim: int) -> None:

@@ -204,7 +204,7 @@ def gather_forward_split_backward(
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x)
-    sizes, stats = row_sizes("gather_forward_split_backward", x, d, g, (0, 0), sizes=given)
+    sizes, stats, _ = row_sizes("gather_forward_split_backward", x, d, g, (0, 0), sizes=given)
     return _GatherForwardSplitBackward.apply(x, d, sizes, stats, scale, g.name, g.size, g.rank, "auto")
 
 
