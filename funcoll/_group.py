@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Group", "GroupLike", "axis_index", "axis_size", "resolve_group"]
+__all__ = ["Group", "GroupLike", "axis_index", "axis_size", "mesh_dim_index", "resolve_group"]
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | None
 
@@ -57,11 +57,16 @@ def _mesh_group(opname: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> di
                 f"the mesh dim to communicate over (mesh dims: {mesh.mesh_dim_names})"
             )
         return mesh.get_group()
+    return mesh.get_group(mesh_dim_index(opname, mesh, mesh_dim))
+
+
+def mesh_dim_index(opname: str, mesh: DeviceMesh, mesh_dim: object) -> int:
+    """The index of the mesh dim `mesh_dim` names (an int, negative allowed, or a name)."""
     if isinstance(mesh_dim, str):
         names = mesh.mesh_dim_names or ()
         if mesh_dim not in names:
             raise ValueError(f"{opname}: `group` names mesh dim {mesh_dim!r}, which is not one of {names}")
-        return mesh.get_group(mesh_dim)
+        return names.index(mesh_dim)
     if not isinstance(mesh_dim, int) or isinstance(mesh_dim, bool):
         raise TypeError(
             f"{opname}: `group` as (DeviceMesh, mesh_dim) needs an int or str mesh_dim, got "
@@ -69,7 +74,7 @@ def _mesh_group(opname: str, mesh: DeviceMesh, mesh_dim: int | str | None) -> di
         )
     if not -mesh.ndim <= mesh_dim < mesh.ndim:
         raise ValueError(f"{opname}: `group` mesh_dim={mesh_dim} is out of range for a {mesh.ndim}-D mesh")
-    return mesh.get_group(mesh_dim % mesh.ndim)
+    return mesh_dim % mesh.ndim
 
 
 def _is_process_group(group: object) -> bool:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 from . import _prims
 from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
 from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
-from ._group import Group, resolve_group
+from ._group import Group, mesh_dim_index, resolve_group
 from ._header import check_agreement, exchange, host_sizes
 from ._wire import unwire, wire
 
@@ -63,15 +63,7 @@ def _mesh_dim(opname: str, group: object) -> tuple[DeviceMesh, int]:
             )
         return group, 0
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        mesh, m = group
-        if isinstance(m, str):
-            names = mesh.mesh_dim_names or ()
-            if m not in names:
-                raise ValueError(f"{opname}: `group` names mesh dim {m!r}, which is not one of {names}")
-            return mesh, names.index(m)
-        if isinstance(m, bool) or not isinstance(m, int) or not -mesh.ndim <= m < mesh.ndim:
-            raise ValueError(f"{opname}: `group` mesh_dim={m!r} is not a dim of a {mesh.ndim}-D mesh")
-        return mesh, m % mesh.ndim
+        return group[0], mesh_dim_index(opname, group[0], group[1])
     raise TypeError(
         f"{opname}: `group` must be a DeviceMesh or (DeviceMesh, mesh_dim): the result is a DTensor on "
         f"that mesh; got {type(group).__name__}"
