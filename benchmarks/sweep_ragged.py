@@ -1,17 +1,19 @@
 """Every ragged op against the even collective of the same bytes, over payloads, worlds and layouts.
 
 Run: ``python benchmarks/sweep_ragged.py [--worlds 2 4] [--kib 4 64 1024 16384 65536]
-[--layouts equal skew16] [--iters 9] [--rounds 3] [--json sweep.json]``
+[--layouts equal skew16] [--iters 9] [--rounds 5] [--json sweep.json]``
 
 For each world size it starts that many gloo CPU ranks; in one process group, for
 each payload (KiB a rank holds on average, rows of 1024 float32) and layout
 (``equal``: every rank the same rows; ``skew16``: rank 0 holds 16 times the rows of
 each other rank) it times every method `rounds` times, interleaved so that drift
-hits all of them alike, each time the median of `iters` barrier-fenced calls.
+hits all of them alike, each time the median of `iters` barrier-fenced calls
+(fewer above 1 MiB: half of them to 16 MiB, a third past it, at least 3).
 Each method's ratio is to its baseline, measured in the same round: funcol's
 ``all_gather_into_tensor`` of an even shard of the same total bytes for the
 gathers, ``reduce_scatter_tensor`` of the same total for the ragged
-reduce_scatter, ``all_to_all_single`` of the same rows for ``all_to_all_v``.
+reduce_scatter, ``all_to_all_single`` of the same rows for ``all_to_all_v`` and
+``all_to_all_padded`` (whose capacity fits the largest send, so a skew pads it).
 The table shows the median ratio over the rounds and its range; ``--json`` writes
 every record.
 """
@@ -48,16 +50,20 @@ def _methods(sizes: list[int], rank: int, world: int) -> dict[str, tuple[str, Ca
     recv = [sizes[i] // world + (1 if rank < sizes[i] % world else 0) for i in range(world)]
     padded = torch.cat([x, x.new_zeros(max(sizes) - sizes[rank], ROW)])
     length = torch.tensor(sizes[rank])
+    cap = max(-(-n // world) for n in sizes)  # all_to_all_padded: the capacity every rank's sends fit
+    blocks = torch.randn(world * cap, ROW)
+    send_t = torch.tensor(send)
     return {
         "gather auto": ("ag", lambda: funcoll.gather(x)),
         "gather pad": ("ag", lambda: funcoll.gather(x, strategy="pad")),
-        "gather a2a": ("ag", lambda: funcoll.gather(x, strategy="a2a")),
+        "gather shift": ("ag", lambda: funcoll.gather(x, strategy="shift")),
         "gather auto, sizes=": ("ag", lambda: funcoll.gather(x, sizes=sizes)),
         "gather pad, sizes=": ("ag", lambda: funcoll.gather(x, strategy="pad", sizes=sizes)),
         "all_gather_list": ("ag", lambda: funcoll.all_gather_list(x)),
         "all_gather_ragged": ("ag", lambda: funcoll.all_gather_ragged(x)),
         "gather_forward_split_backward": ("ag", lambda: funcoll.gather_forward_split_backward(x, None, 0)),
         "gather_padded": ("ag", lambda: funcoll.gather_padded(padded, length)),
+        "all_to_all_padded": ("a2a", lambda: funcoll.all_to_all_padded(blocks, send_t)),
         "reduce_scatter sizes=": ("rs", lambda: funcoll.reduce_scatter(full, 0, sizes=sizes)),
         "all_to_all_v exchanged": ("a2a", lambda: funcoll.all_to_all_v(x, send)),
         "all_to_all_v given": ("a2a", lambda: funcoll.all_to_all_v(x, send, recv)),
@@ -88,11 +94,13 @@ def _sweep(rank: int, world: int, kibs: list[int], layouts: list[str], iters: in
             methods, bases = _methods(sizes, rank, world), _baselines(sizes, world)
             ratios: dict[str, list[float]] = {m: [] for m in methods}
             base_ms: list[float] = []
+            # large payloads: fewer calls
+            n = iters if kib <= 1024 else max(3, iters // (2 if kib <= 16384 else 3))
             for _ in range(rounds):
-                base = {k: fenced_median(fn, iters) for k, fn in bases.items()}
+                base = {k: fenced_median(fn, n) for k, fn in bases.items()}
                 base_ms.append(1e3 * base["ag"])
                 for m, (kind, fn) in methods.items():
-                    ratios[m].append(fenced_median(fn, iters) / base[kind])
+                    ratios[m].append(fenced_median(fn, n) / base[kind])
             for m, rs in ratios.items():
                 records.append({
                     "world": world, "kib_per_rank": kib, "layout": layout, "sizes": sizes, "method": m,
@@ -108,7 +116,7 @@ def main() -> None:
     parser.add_argument("--kib", type=int, nargs="+", default=[4, 64, 1024, 16384, 65536])
     parser.add_argument("--layouts", nargs="+", default=["equal", "skew16"], choices=["equal", "skew16"])
     parser.add_argument("--iters", type=int, default=9)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default="", help="write every record to this file")
     args = parser.parse_args()
     records = []
