@@ -14,8 +14,8 @@ all_gather's output holds W blocks. Every world size runs in a subprocess of its
 (``run_ranks`` with one rank, which then replaces its group by a fake one of W ranks).
 
 Every op is traced forward and backward at 8, 64 and 1024 ranks, but for four
-cases, to keep the suite's time: the ragged gather's "a2a" (1023 shifted
-all_to_alls; "auto" pads above 8 ranks and "pad" is what runs at 1024) and
+cases, to keep the suite's time: the ragged gather's "shift" (1023 shifted
+all_to_alls; "auto" is one all_to_all up to 64 ranks and pads past them) and
 all_to_all with uneven heads (1024 received pieces, each of its own width) are
 traced up to 64; ``all_gather_list`` (1024 outputs, 2 minutes to trace) at 8, 64
 and 256; ``all_to_all_v`` with exchanged sizes forward at 1024 and backward up to
@@ -56,9 +56,9 @@ _ALL = tuple(c.id for c in CASES if c.at_scale)
 # world -> {case id: trace the backward too}
 _LIST = "all_gather_list-ragged-x_nx5-dim0"
 _A2AV_EXCHANGED = "all_to_all_v-recv-exchanged-x_nx5"
-# Traced at 8 and 64 only: at 1024 "a2a" is 1023 shifted all_to_alls, and the
+# Traced at 8 and 64 only: at 1024 "shift" is 1023 shifted all_to_alls, and the
 # uneven heads split what arrives into 1024 pieces of different widths.
-_NOT_AT_1024 = ("gather-a2a-ragged-x_nx5-dim0", "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2")
+_NOT_AT_1024 = ("gather-shift-ragged-x_nx5-dim0", "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2")
 PLAN: dict[int, dict[str, bool]] = {
     8: dict.fromkeys(_ALL, True),
     64: dict.fromkeys(_ALL, True),

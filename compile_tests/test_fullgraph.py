@@ -56,11 +56,11 @@ GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
 KNOWN_BUG_TIMEOUT_S = 30.0  # a known bug's batch alone: ample for one case's compiles, short if it hangs
 INDUCTOR_WORLD = 2
 INDUCTOR_DYNAMICS = (None, True, False)
-# At 3 ranks a ragged all-gather issues two all_to_all_singles (one per shift), whose
-# order inductor must keep on every rank: the ragged gathers also run there.
+# At 3 ranks the "shift" ragged all-gather issues two all_to_all_singles (one per
+# shift), whose order inductor must keep on every rank: the ragged gathers also run there.
 INDUCTOR_WORLD3_CASES = (
     "gather-auto-ragged-x_nx5-dim0",
-    "gather-a2a-ragged-x_nx5-dim0",
+    "gather-shift-ragged-x_nx5-dim0",
     "all_gather_ragged-ragged-x3x_n-dim1",
     "reduce_scatter-ragged-sizes-dim0",
 )
@@ -285,8 +285,8 @@ def test_inductor_code_ragged_gather_checks_sizes_then_moves_rows(dynamic: bool 
             .check(f"{F}{AG}")  # the size header
             .check(f"{F}{WAIT}")
             .check("torch.ops.funcoll.")  # the host-sync op that reads the size table
-            .check(f"{F}{AG}")  # the rows every rank has
-            .check(f"{F}{A2A}")  # the rest
+            .check(f"{F}{A2A}")  # every rank's rows to every rank, in one all_to_all
+            .check_not(f"{F}{AG}")
             .check(f"{F}{WAIT}")
             .run(fw)
         )

@@ -1,12 +1,20 @@
-"""funcoll's one run-time switch: cross-rank checks of the even collectives.
+"""funcoll's one run-time switch: cross-rank checks before the data moves.
 
-The ragged ops always exchange a header (they need the sizes), and that header
-doubles as a check that the ranks agree. The even ops exchange nothing: every
-rank must pass the same shape, and a rank that does not makes the backend abort
-the process (gloo: "Received data size doesn't match expected size") or hang
-(NCCL). With checks on, every even op first all-gathers the same small header
-and raises the same ``ValueError`` on every rank when the ranks disagree, at
-the price of one small collective and one device-to-host read per call.
+The even ops exchange nothing: every rank must pass the same shape, and a rank
+that does not makes the backend abort the process (gloo: "Received data size
+doesn't match expected size") or hang (NCCL). With checks on, every even op
+first all-gathers the same small header and raises the same ``ValueError`` on
+every rank when the ranks disagree, at the price of one small collective and one
+device-to-host read per call.
+
+The ragged ops exchange a header whenever they need the sizes, and it doubles
+as that check. When the caller passes the sizes (``sizes=`` on the gathers and
+the ragged reduce_scatter) nothing needs exchanging: checks on send the header
+anyway, so that ranks whose sizes or shapes differ raise (all_to_all_v's
+``recv_sizes`` are not checked across ranks either way). The static ops (gather_padded, all_to_all_padded) send
+their counts header in the data's own collective and check it on the device;
+checks on send it first, on its own, so that ranks whose shapes differ fail
+that check before any data moves.
 
 Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
 compiled region reads the switch when it is traced and is traced again when it

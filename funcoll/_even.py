@@ -158,8 +158,11 @@ def reduce_scatter(
             slice i; with False ``x.shape[dim]`` must equal world and that dim is removed.
         sizes: per-rank slice lengths along `dim` (world ints summing to
             ``x.shape[dim]``) for a ragged reduce-scatter: rank i receives the reduced
-            rows ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. None means equal
-            slices, and then ``x.shape[dim]`` must divide by world.
+            rows ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``: one all_to_all,
+            the same `sizes` on every rank (``funcoll.set_checks(True)`` checks
+            that they are; a tensor is read on the host, a device-to-host sync for
+            a GPU tensor). None means equal slices, and then ``x.shape[dim]`` must
+            divide by world.
 
     Returns:
         A new tensor: ``x.shape`` with ``shape[dim]`` divided by world (or

@@ -14,7 +14,7 @@ primitive               backward (its adjoint)
 ``broadcast_p``         sum of the gradients onto ``src``, zeros elsewhere
 ``replicate_p``         the gradient as it is (avg: divided by world)
 ``all_gather_v_p``      ``reduce_scatter_v_p`` of the gradient
-``reduce_scatter_v_p``  ``all_gather_v_p`` of the gradient
+``reduce_scatter_v_p``  ``gather_rows`` (``"auto"``) of the gradient
 ======================  ==================================================
 
 Primitives end in ``_p`` (JAX's ``psum_p`` beside ``psum``), so that no name here
@@ -165,11 +165,21 @@ def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tens
 
 
 # ----------------------------------------------------------------------- all_to_all_p
+def _all_to_all(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
+    """all_to_all_single of `x`'s dim-0 rows, waited for.
+
+    Complex rows travel as their pairs of reals: gloo has no complex all_to_all.
+    """
+    if x.is_complex():
+        return torch.view_as_complex(_all_to_all(torch.view_as_real(x), recv, send, group_name))
+    return _wait(_F.all_to_all_single(_payload(x), recv, send, group_name))
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
         ctx.recv, ctx.send, ctx.group_name = _ctx_ints(recv), _ctx_ints(send), group_name
-        return _wait(_F.all_to_all_single(_payload(x), recv, send, group_name))
+        return _all_to_all(x, recv, send, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -179,6 +189,67 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_p(x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], group_name: str) -> Tensor:
     """Send ``send[j]`` rows of `x` (in order) to rank j; receive ``recv[i]`` rows from rank i."""
     return _AllToAll.apply(x, list(recv), list(send), group_name)
+
+
+# ------------------------------------------------------- blocks with rows appended
+# The static ops send a small header of their own beside the data, in the same
+# collective: `extra` holds its rows, in the integer dtype of x's element size,
+# bit-cast to x's dtype for the trip (a collective copies bits, so nothing is
+# lost, and the data keeps the dtype the backend carries), and is not
+# differentiable. Each rank's block is its data rows then the `extra` rows,
+# which the caller reads back (bit-cast again).
+def _with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
+    """`blocks` ``(m, n, *R)`` with `extra` ``(k, *R)`` after each block's rows: ``(m * (n + k), *R)``."""
+    m = blocks.shape[0]
+    tail = extra.view(blocks.dtype).unsqueeze(0).expand(m, *extra.shape)
+    return torch.cat([blocks, tail], 1).reshape(-1, *extra.shape[1:])
+
+
+class _AllGatherBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+        ctx.n, ctx.group_name, ctx.world = _ctx_ints([x.shape[0]])[0], group_name, world
+        return _all_gather_impl(_with_rows(x.unsqueeze(0), extra), group_name, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = reduce_scatter_p(grad, "sum", ctx.group_name, ctx.world).narrow(0, 0, ctx.n)
+        return g, None, None, None
+
+
+def all_gather_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+    """all_gather of `x` ``(n, *R)`` with `extra`'s k rows after it: ``(world * (n + k), *R)``.
+
+    Backward: ``reduce_scatter_p`` of the gradient, the `extra` rows' part dropped.
+    """
+    return _AllGatherBlocks.apply(x, extra, group_name, world)
+
+
+class _AllToAllBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+        cap = x.shape[0] // world
+        ctx.cap, ctx.size = _ctx_ints([cap, cap + extra.shape[0]])
+        ctx.group_name, ctx.world = group_name, world
+        blocks = x.reshape(world, cap, *x.shape[1:])
+        split = [cap + extra.shape[0]] * world
+        return _all_to_all(_with_rows(blocks, extra), split, split, group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        back = all_to_all_p(grad, [ctx.size] * ctx.world, [ctx.size] * ctx.world, ctx.group_name)
+        g = back.reshape(ctx.world, ctx.size, *grad.shape[1:]).narrow(1, 0, ctx.cap)
+        return g.reshape(ctx.world * ctx.cap, *grad.shape[1:]), None, None, None
+
+
+def all_to_all_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+    """all_to_all of `x`'s `world` equal blocks ``(world * C, *R)``, `extra`'s k rows after each.
+
+    Rank r receives every rank's block r followed by that rank's `extra`:
+    ``(world * (C + k), *R)``. Backward: every block returned to its sender by the
+    inverse all_to_all, the `extra` rows' part dropped.
+    """
+    return _AllToAllBlocks.apply(x, extra, group_name, world)
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -255,7 +326,7 @@ def _all_gather_v_impl(
         send[to] = extras[rank]
         recv = [0] * world
         recv[frm] = extras[frm]
-        received[frm] = _wait(_F.all_to_all_single(_payload(mine), recv, send, group_name))
+        received[frm] = _all_to_all(mine, recv, send, group_name)
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
     pieces = []
@@ -274,7 +345,7 @@ def _reduce_scatter_v_impl(
     reduces the `world` pieces locally.
     """
     mine = sizes[rank]
-    got = _wait(_F.all_to_all_single(_payload(x), [mine] * world, list(sizes), group_name))
+    got = _all_to_all(x, [mine] * world, list(sizes), group_name)
     stacked = got.view(world, mine, *x.shape[1:])
     if reduce_op == "sum":
         return stacked.sum(0)
@@ -306,9 +377,11 @@ def gather_rows(
 ) -> Tensor:
     """Ragged all-gather of dim 0 (``sizes[rank]`` rows here) with a strategy of funcoll.gather.
 
+    ``"a2a"``: :func:`all_to_all_p` of the rows repeated `world` times, whose
+    output is the result (differentiable through its adjoint and the repeat's sum).
     ``"pad"``: pad to ``max(sizes)``, all_gather_p, cut (differentiable through
-    all_gather_p's adjoint and the pad/cut). ``"auto"``/``"a2a"``: all_gather_v_p with
-    the common prefix ``min(sizes)`` (or 0) in the all_gather.
+    all_gather_p's adjoint and the pad/cut). ``"shift"``: all_gather_v_p with the
+    common prefix ``min(sizes)`` in the all_gather.
 
     `stats` is ``(min(sizes), max(sizes), sum(sizes))`` when the caller has them
     (the world exchange reads them off the header table with the sizes): in a
@@ -319,16 +392,23 @@ def gather_rows(
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
     strategy = resolve(strategy, world)
+    if strategy == "a2a":
+        return all_to_all_p(_repeat_rows(x, world), sizes, [sizes[rank]] * world, group_name)
     if strategy == "pad":
         if all_equal(sizes):  # nothing to pad and nothing to cut
             return all_gather_p(x, group_name, world)
         blocks, longest = _padded_blocks(x, sizes, stats, group_name, world)
         total = sum(sizes) if stats is None else stats[2]
         return cut_padding(blocks, sizes, longest, total)
-    common = common_rows(strategy, sizes, None if stats is None else stats[0])
+    common = common_rows(sizes, None if stats is None else stats[0])
     for n in sizes:
         torch._check(n - common >= 0)
     return all_gather_v_p(x, sizes, common, group_name, world, rank, stats)
+
+
+def _repeat_rows(x: Tensor, world: int) -> Tensor:
+    """`x` ``(n, *R)`` as ``(world * n, *R)``: one copy per destination of an all_to_all that gathers."""
+    return x.unsqueeze(0).expand(world, *x.shape).reshape(world * x.shape[0], *x.shape[1:])
 
 
 def gather_pieces(

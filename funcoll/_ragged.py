@@ -26,11 +26,12 @@ from ._checks import (
     check_total,
     fresh,
 )
+from ._config import checks_enabled
 from ._dtensor import dtensor_input, refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
-from ._header import SIZE, WIDTH, exchange, given_sizes, host_sizes, row_sizes, split_stats
+from ._header import SIZE, WIDTH, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
-from ._strategy import STRATEGIES
+from ._strategy import STRATEGIES, sym_max, sym_min
 from ._wire import unwire, wire, wire_op
 
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather"]
@@ -95,16 +96,20 @@ def gather(
         dst: None: every rank gets the result. A rank k: only rank k does; the data
             goes to k alone, and the other ranks get None.
         group: the communicator.
-        strategy: how the rows travel when ``dst`` is None:
-            ``"auto"`` (default) sends the rows every rank has (the first
-            ``min(sizes)``) in one all_gather and the rest of each rank's rows in
-            ``world - 1`` all_to_all_singles, the k-th sending them to rank
-            ``rank + k``: no padding and no copy to send, and with equal sizes
-            all the data goes in the all_gather (above 8 ranks it pads instead);
-            ``"pad"`` pads to ``max(sizes)``, all_gathers and cuts the padding off
-            (no copies when sizes are equal); ``"a2a"`` sends everything in the
-            all_to_all_singles. Each issues the same collectives whatever the
-            sizes, in eager and compiled code alike.
+        strategy: how the rows travel when ``dst`` is None, each one collective
+            after the size exchange unless said otherwise. ``"auto"`` (default)
+            is ``"a2a"`` (``"pad"`` above 64 ranks, where a compiled ``"a2a"``
+            traces slowly): one all_to_all_single sends this rank's rows to every
+            rank; no padding travels, and the input is the rows repeated world
+            times (a local copy). ``"pad"`` pads to ``max(sizes)``, all_gathers
+            and cuts the padding off: the even all_gather itself when sizes are
+            equal, but skewed sizes send the padding. ``"shift"`` sends the first
+            ``min(sizes)`` rows of every rank in one all_gather and the rest in
+            ``world - 1`` all_to_all_singles, the k-th to rank ``rank + k``: no
+            padding and no copy, but world collectives (for large messages
+            where the copy costs more than the latencies). Each issues the same
+            collectives whatever the sizes, in eager and compiled code alike
+            (docs/benchmarks.md has their costs).
         sizes: every rank's length along `dim` (world ints, or an int tensor), when
             the caller knows them: a sequence-parallel step whose layers gather the
             same lengths, lengths a data loader or an earlier exchange gave. Nothing
@@ -176,7 +181,12 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
 
 
 def all_gather_list(
-    x: Tensor, dim: int = 0, *, group: GroupLike = None, sizes: Sequence[int] | Tensor | None = None
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: GroupLike = None,
+    strategy: str = "auto",
+    sizes: Sequence[int] | Tensor | None = None,
 ) -> list[Tensor]:
     """Gather every rank's `x` (ragged along `dim`) as a list with one tensor per rank.
 
@@ -184,6 +194,8 @@ def all_gather_list(
         x: this rank's tensor; the ragged data model of :func:`gather`.
         dim: the ragged dim.
         group: the communicator.
+        strategy: how the rows travel, as in :func:`gather`. With ``"pad"`` each
+            piece is a view of its rank's block of the padded all_gather.
         sizes: every rank's length along `dim`, when the caller knows them: nothing
             is exchanged (as in :func:`gather`).
 
@@ -207,18 +219,24 @@ def all_gather_list(
     refuse_dtensor(opname, x, "its result is a list of the ranks' tensors", "funcoll.all_gather(x, dim)")
     x0 = x
     x, d, ndim = as_rows(opname, x, dim)
+    strat = _check_strategy(opname, strategy)
     g = resolve_group(opname, group)
     sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return [fresh(x0)]
-    sz, stats, _ = row_sizes("all_gather_list", x, d, g, (-1, STRATEGIES.index("auto")), ndim, sizes)
-    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sz, "auto", g.name, g.size, g.rank, stats)
+    sz, stats, _ = row_sizes("all_gather_list", x, d, g, (-1, strat), ndim, sizes)
+    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sz, strategy, g.name, g.size, g.rank, stats)
     pieces = [unwire(p, x.dtype).movedim(0, d) for p in pieces]
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
 
 def all_gather_ragged(
-    x: Tensor, dim: int = 0, *, group: GroupLike = None, sizes: Sequence[int] | Tensor | None = None
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: GroupLike = None,
+    strategy: str = "auto",
+    sizes: Sequence[int] | Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather every rank's `x` (ragged along `dim`) and the per-rank sizes.
 
@@ -226,6 +244,7 @@ def all_gather_ragged(
         x: this rank's tensor; the ragged data model of :func:`gather`.
         dim: the ragged dim.
         group: the communicator.
+        strategy: how the rows travel, as in :func:`gather`.
         sizes: every rank's length along `dim`, when the caller knows them: nothing
             is exchanged (as in :func:`gather`), and they are returned.
 
@@ -249,15 +268,17 @@ def all_gather_ragged(
     x = check_tensor(opname, "x", x)
     ax = dtensor_input(opname, x, group)
     if ax is not None:  # Shard(dim) -> Replicate(), and the shards' lengths
+        _check_strategy(opname, strategy)
         d = ax.dim(dim)
-        y = gather_shards(ax, d)
+        y = gather_shards(ax, d, strategy)
         return y, torch.tensor(ax.sizes(d), dtype=torch.int64, device=y.device)
     x, d, ndim = as_rows(opname, x, dim)
+    _check_strategy(opname, strategy)
     g = resolve_group(opname, group)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
-    y, table = ragged_all_gather("all_gather_ragged", x, d, g, ndim=ndim, sizes=given)
+    y, table = ragged_all_gather("all_gather_ragged", x, d, g, strategy, ndim, given)
     if table is not None:
         return y, table[:, SIZE].clone()
     as_given = sizes if isinstance(sizes, Tensor) else torch.tensor(given, dtype=torch.int64)
@@ -271,32 +292,26 @@ def _check_total(opname: str, arg: str, sizes: list[IntLike], x: Tensor, dim: in
 def reduce_scatter_v(
     opname: str, x: Tensor, dim: int, sizes: Sequence[int] | Tensor, reduce_op: str, g: Group
 ) -> Tensor:
-    """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument).
+    """The ragged form of :func:`funcoll.reduce_scatter` (its `sizes` argument): one all_to_all.
 
-    The sizes travel in the header exchange, so ranks that pass different `sizes`,
-    shapes or ops all raise instead of reducing the wrong rows.
+    Every rank passes the same `sizes` (that is what they mean), so nothing has to
+    be exchanged: the list is checked here against this rank's ``x``, before any
+    communication (a tensor is read on the host first: a device-to-host sync for a
+    GPU tensor, since the sizes shape the output). With
+    ``funcoll.set_checks(True)`` the sizes also travel in a header, so that ranks
+    whose `sizes`, shapes or ops differ all raise instead of reducing the wrong rows.
     """
-    if isinstance(sizes, Tensor) and sizes.device.type != "cpu":
-        # Kept on its device: the header exchange carries it, and the one sync of the
-        # call (reading the gathered header) checks it, on every rank.
-        given, sizes_t = None, check_sizes(opname, "sizes", sizes, g.size)
-    else:  # a list, or a CPU tensor (read without a device sync): checked here, before communicating
-        given = host_sizes(opname, "sizes", sizes, g.size)
-        _check_total(opname, "sizes", given, x, dim)
-        sizes_t = torch.tensor(given, dtype=torch.int64)
+    given = host_sizes(opname, "sizes", sizes, g.size)
+    _check_total(opname, "sizes", given, x, dim)
     if g.is_single:
-        if given is None:
-            _check_total(opname, "sizes", host_sizes(opname, "sizes", sizes_t, 1), x, dim)
         return fresh(x)
-    _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(reduce_op), 1), sizes=sizes_t)
-    sz, stats = split_stats(ints, g.size)
-    if given is not None:  # the sizes were static here: keep them static in a compiled graph
-        for u, n in zip(sz, given, strict=False):
-            torch._check(u == n)
-        sz, stats = given, (min(given), max(given), sum(given))
-    torch._check(sum(sz) == x.shape[dim])
+    if checks_enabled():
+        sizes_t = torch.tensor(list(given), dtype=torch.int64)
+        _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(reduce_op), 1), sizes=sizes_t)
+        torch._check(ints[0] == given[0])  # ties the checked read to the trace (see check_agreement)
+    stats = (sym_min(given), sym_max(given), x.shape[dim])
     xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
-    y = _prims.reduce_scatter_v_p(xm, sz, wop, g.name, g.size, g.rank, stats)
+    y = _prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 

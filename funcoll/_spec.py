@@ -53,10 +53,14 @@ def _plus(*counts: dict[str, int]) -> dict[str, int]:
 
 
 def _rows(world: int, strategy: str = "auto") -> Plan:
-    """A ragged all-gather after its size header: "pad" is one all_gather of padded blocks
-    (backward: its reduce_scatter); the shifted strategies one all_gather of the common
-    rows and world - 1 all_to_alls (backward: one all_to_all, the ragged reduce_scatter)."""
-    if resolve(strategy, world) == "pad":
+    """A ragged all-gather after its size header: "a2a" is one all_to_all (backward: one
+    all_to_all, the ragged reduce_scatter); "pad" one all_gather of padded blocks
+    (backward: its reduce_scatter); "shift" one all_gather of the common rows and
+    world - 1 all_to_alls (backward: one all_to_all)."""
+    strategy = resolve(strategy, world)
+    if strategy == "a2a":
+        return {A2A: 1}, {A2A: 1}
+    if strategy == "pad":
         return {AG: 1}, {RS: 1}
     return {AG: 1, A2A: world - 1}, {A2A: 1}
 
@@ -76,8 +80,8 @@ def _ragged_gather(world: int, variant: str) -> Plan:
 
 
 def _reduce_scatter(world: int, variant: str) -> Plan:
-    if variant == "sizes":  # the ragged one: header, one all_to_all; backward a ragged all-gather
-        return _plus(HEADER, {A2A: 1}), _rows(world)[0]
+    if variant == "sizes":  # the ragged one: one all_to_all; backward a ragged all-gather
+        return {A2A: 1}, _rows(world)[0]
     return {RS: 1}, {AG: 1}
 
 
@@ -157,9 +161,9 @@ SPECS: tuple[OpSpec, ...] = (
     _op("all_gather_ragged", _RAGGED, _T_RAGGED, _T_DT, collectives=_ragged_gather, dtensor=_S_R),
     _op("all_to_all_v", _RAGGED, _T_RAGGED, "tests/test_sizes.py", collectives=_all_to_all_v),
     _op("gather_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim]",
-        collectives=_fixed({AG: 2}, {RS: 1})),  # the counts header, then the padded rows
+        collectives=_fixed({AG: 1}, {RS: 1})),  # the padded rows, the counts header's rows after them
     _op("all_to_all_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim] // world",
-        collectives=_fixed({AG: 1, A2A: 1}, {A2A: 1})),  # the counts header, then the blocks
+        collectives=_fixed({A2A: 1}, {A2A: 1})),  # the blocks, the counts header's rows after each
     _op("split_forward_gather_backward", _REGION, _T_REGION, _T_DT,  # backward: a ragged all-gather, sizes known
         collectives=lambda world, variant: ({}, _rows(world)[0]), dtensor=("Replicate()", "Shard(dim)")),
     _op("gather_forward_split_backward", _REGION, _T_REGION, _T_DT,  # backward: this rank's piece, no collective

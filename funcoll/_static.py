@@ -13,13 +13,15 @@ lengths change; the price is that the padding travels on the wire.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import check_dim, check_sizes, check_tensor
+from ._checks import IntLike, check_dim, check_sizes, check_tensor
+from ._config import checks_enabled
 from ._dtensor import refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
 from ._header import _dtype_code, _shape_columns
@@ -66,26 +68,22 @@ def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
     return torch.tensor(facts, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: int | torch.SymInt, g: Group) -> Tensor:
-    """All-gather every rank's `counts` with what the ranks must agree on, and check it on the device.
-
-    Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
-    ``len(counts)`` columns every rank's counts. The rest of a row is ndim, dtype,
-    dim and the full shape of the rank's ``x``. Every rank checks the same table:
-    the rows agree and every count lies in ``[0, bound]``, or ``torch._assert_async``
-    fails on every rank, before any data moves. Nothing is read on the host.
-    """
+def _header(x: Tensor, d: int, counts: Tensor) -> Tensor:
+    """This rank's header: its `counts`, then what the ranks must agree on (ndim, dtype, dim, shape)."""
     facts = (x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
     if torch.compiler.is_compiling():
         on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
     else:
         on_device = _facts_on(x.device, facts)
-    header = torch.cat([counts, on_device])
-    if g.is_single:
-        table = header.view(1, -1)
-    else:
-        table = _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
-    n = counts.numel()
+    return torch.cat([counts, on_device])
+
+
+def _check_table(opname: str, table: Tensor, n: int, bound: IntLike, x: Tensor, d: int) -> None:
+    """Every rank's header row agrees and its `n` counts lie in ``[0, bound]``: a device-side assert.
+
+    Every rank checks the same table, so either every rank fails or none does;
+    nothing is read on the host.
+    """
     lengths = table[:, :n]
     agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
     torch._assert_async(
@@ -93,7 +91,78 @@ def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: int | torch
         f"{opname}: every rank's row counts must lie in [0, {spec(opname).limit}], and every rank's x must have the "
         f"same shape and dtype (this rank: {x.dtype}, {x.dim()}-d, dim={d})",
     )
+
+
+def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g: Group) -> Tensor:
+    """All-gather every rank's header on its own, and check it, before any data moves.
+
+    Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
+    ``len(counts)`` columns every rank's counts (see :func:`_header`).
+    """
+    header = _header(x, d, counts)
+    table = (
+        header.view(1, -1)
+        if g.is_single
+        else _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
+    )
+    _check_table(opname, table, counts.numel(), bound, x, d)
     return table
+
+
+# The header travels in the data's collective as rows of the integer dtype of the
+# data's element size (the data is bit-cast to it on the way). Each int64 of the
+# header becomes 8 / itemsize pieces of itemsize bytes, by arithmetic on int64,
+# so that no cast between element sizes enters a compiled graph.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fused(xm: Tensor, g: Group) -> torch.dtype | None:
+    """The integer dtype a header travels in beside `xm`'s rows, or None: a collective of its own.
+
+    Its own collective with checks on (so that ranks whose shapes differ fail the
+    check before the data moves), on one rank, for rows of no elements and for
+    16-byte elements. Each condition is the same on every rank whose `x` agrees
+    with the others, and the same in eager and compiled code.
+    """
+    if g.is_single or checks_enabled() or math.prod(xm.shape[1:]) == 0:
+        return None
+    return _INT_OF_SIZE.get(xm.element_size())
+
+
+def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike]) -> Tensor:
+    """The int64 `header` as rows of `row_shape` in the integer `dtype`, zero-padded: ``(k, *row_shape)``."""
+    bits = 8 * torch.empty((), dtype=dtype).element_size()
+    if bits == 64:
+        pieces = header
+    else:
+        shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=header.device)
+        pieces = (header.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # in [0, 2 ** bits)
+        if dtype != torch.uint8:  # into the signed range, where the cast is exact
+            pieces = pieces - (pieces >= (1 << (bits - 1))).to(torch.int64) * (1 << bits)
+        pieces = pieces.to(dtype).reshape(-1)
+    row = math.prod(row_shape)
+    k = -(-pieces.shape[0] // row)
+    return torch.cat([pieces, pieces.new_zeros(k * row - pieces.shape[0])]).view(k, *row_shape)
+
+
+def _tails(blocks: Tensor, dtype: torch.dtype, world: int, n: IntLike, k: int) -> Tensor:
+    """The k header rows after each rank's `n` data rows of `blocks`, bit-cast back: ``(world, k, *R)``."""
+    return blocks.detach().view(dtype).view(world, n + k, *blocks.shape[1:]).narrow(1, n, k)
+
+
+def _read_header(rows: Tensor, length: int) -> Tensor:
+    """:func:`_header_rows` back: ``(world, k, *R)`` rows -> the ``(world, length)`` int64 table."""
+    bits = 8 * rows.element_size()
+    per = 64 // bits
+    pieces = rows.reshape(rows.shape[0], -1).narrow(1, 0, length * per).to(torch.int64)
+    if per == 1:
+        return pieces
+    pieces = (pieces & ((1 << bits) - 1)).view(rows.shape[0], length, per)
+    top = pieces[..., -1]
+    value = (top - (top >= (1 << (bits - 1))).to(torch.int64) * (1 << bits)) * (1 << (bits * (per - 1)))
+    for i in range(per - 1):
+        value = value + pieces[..., i] * (1 << (bits * i))
+    return value
 
 
 def gather_padded(
@@ -111,8 +180,9 @@ def gather_padded(
     Unlike :func:`funcoll.gather`, nothing is read on the host: the result's shape
     depends only on ``x.shape`` and the world size, so the op runs inside CUDA graphs
     and static compiled graphs, and never recompiles when the lengths change. The
-    padding travels on the wire (one all_gather of ``x`` and one of a small int64
-    header); pass ``length`` on ``x``'s device.
+    padding travels on the wire, in one all_gather of ``x`` that also carries a
+    small int64 header (every rank's length and shape) in a few rows after each
+    rank's block; pass ``length`` on ``x``'s device.
 
     Args:
         x: this rank's tensor, of shape ``(..., B, ...)`` with the bound at `dim`.
@@ -130,11 +200,14 @@ def gather_padded(
 
     Raises:
         ValueError, TypeError: bad arguments, before any communication. An int
-        `length` outside ``[0, B]`` is a ValueError. A tensor `length` outside it,
-        or ranks whose bound, shape or dtype differ, fail a device-side assert
-        (``torch._assert_async``) after the header exchange and before the data
-        moves: a RuntimeError on every rank (it does not wait for the device on
-        CUDA, so it surfaces asynchronously there).
+        `length` outside ``[0, B]`` is a ValueError. A tensor `length` outside it
+        fails a device-side assert (``torch._assert_async``) on every rank after
+        the all_gather, before any row is read: a RuntimeError (it does not wait
+        for the device on CUDA, so it surfaces asynchronously there). Ranks whose
+        bound, shape or dtype differ send blocks of different sizes, which the
+        backend refuses as for the even ops; with ``funcoll.set_checks(True)``
+        the header travels first, on its own, and they fail that assert before
+        any data moves.
 
     Backward: the adjoint. Each rank puts its gradient's rows back in the padded
     layout (rank i's rows at ``[i * B, i * B + sizes[i])``, zeros on padding) and a
@@ -157,10 +230,20 @@ def gather_padded(
     bound = x.shape[d]
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
     g = resolve_group(opname, group)
-    sizes = _exchange(opname, x, d, mine, bound, g)[:, 0]
     xm = wire(x).movedim(d, 0)
-    blocks = xm if g.is_single else _prims.all_gather_p(xm, g.name, g.size)
-    y = unwire(pack(blocks, sizes, bound, blocks.shape[0]), x.dtype)
+    twin = _fused(xm, g)
+    if twin is None:  # the header first, on its own
+        sizes = _exchange(opname, x, d, mine, bound, g)[:, 0]
+        blocks, stride = (xm if g.is_single else _prims.all_gather_p(xm, g.name, g.size)), bound
+    else:  # the header's rows after this rank's block, in one all_gather
+        header = _header(x, d, mine)
+        extra = _header_rows(header, twin, xm.shape[1:])
+        blocks = _prims.all_gather_blocks_p(xm, extra, g.name, g.size)
+        stride = bound + extra.shape[0]
+        table = _read_header(_tails(blocks, twin, g.size, bound, extra.shape[0]), header.shape[0])
+        _check_table(opname, table, 1, bound, x, d)
+        sizes = table[:, 0]
+    y = unwire(pack(blocks, sizes, stride, g.size * bound), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
@@ -179,9 +262,10 @@ def all_to_all_padded(
 
     Unlike :func:`funcoll.all_to_all_v`, nothing is read on the host: the result's
     shape is ``x``'s, so the op runs inside CUDA graphs and static compiled graphs,
-    and never recompiles when the sizes change. The padding travels on the wire
-    (one all_to_all of ``x`` and one all_gather of a small int64 header per rank,
-    ``world`` + 11 ints); pass `send_sizes` as a tensor on ``x``'s device.
+    and never recompiles when the sizes change. The padding travels on the wire,
+    in one all_to_all of ``x`` whose every block also carries its sender's small
+    int64 header (``world`` + 11 ints) in a few rows after it; pass `send_sizes`
+    as a tensor on ``x``'s device.
 
     Args:
         x: this rank's tensor, of shape ``(..., world * C, ...)`` with the blocks at `dim`.
@@ -200,10 +284,10 @@ def all_to_all_padded(
     Raises:
         ValueError, TypeError: bad arguments, before any communication: a
         ``x.shape[dim]`` that ``world`` does not divide, a `send_sizes` of the wrong
-        length or type, an int outside ``[0, C]``. A tensor entry outside it, or
-        ranks whose ``C``, shape or dtype differ, fail a device-side assert
-        (``torch._assert_async``) on every rank after the header exchange and
-        before the data moves (asynchronously on CUDA).
+        length or type, an int outside ``[0, C]``. A tensor entry outside it
+        fails a device-side assert (``torch._assert_async``) on every rank after
+        the all_to_all, before any row is read (asynchronously on CUDA). Ranks
+        whose ``C``, shape or dtype differ: as for :func:`gather_padded`.
 
     Backward: the adjoint. Each rank puts its gradient's rows back in one block of
     ``C`` rows per source rank (zeros on padding) and an all_to_all returns every
@@ -233,9 +317,19 @@ def all_to_all_padded(
     torch._check(rows % g.size == 0)
     cap = rows // g.size
     send = _counts_tensor(opname, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
-    table = _exchange(opname, x, d, send, cap, g)
-    recv_sizes = table[:, g.rank]  # rank i's count for this rank
     xm = wire(x).movedim(d, 0)
-    blocks = xm if g.is_single else _prims.all_to_all_p(xm, [cap] * g.size, [cap] * g.size, g.name)
-    y = unwire(pack(blocks, recv_sizes, cap, blocks.shape[0]), x.dtype)
+    twin = _fused(xm, g)
+    if twin is None:  # the header first, on its own
+        table = _exchange(opname, x, d, send, cap, g)
+        split = [cap] * g.size
+        blocks, stride = (xm if g.is_single else _prims.all_to_all_p(xm, split, split, g.name)), cap
+    else:  # the header's rows after every block, in one all_to_all
+        header = _header(x, d, send)
+        extra = _header_rows(header, twin, xm.shape[1:])
+        blocks = _prims.all_to_all_blocks_p(xm, extra, g.name, g.size)
+        stride = cap + extra.shape[0]
+        table = _read_header(_tails(blocks, twin, g.size, cap, extra.shape[0]), header.shape[0])
+        _check_table(opname, table, g.size, cap, x, d)
+    recv_sizes = table[:, g.rank]  # rank i's count for this rank
+    y = unwire(pack(blocks, recv_sizes, stride, g.size * cap), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()

@@ -3,18 +3,27 @@
 ``funcoll.gather`` (and every op built on the ragged all-gather) takes a
 `strategy`:
 
+- ``"a2a"``: one all_to_all_single that sends every rank's rows to every rank.
+  Exactly the rows travel (no padding) and the result is the collective's
+  output as it comes, but the input is the rows repeated ``world`` times (a
+  local copy of ``world * sizes[rank]`` rows). One collective after the size
+  exchange: the floor for sizes that must be exchanged.
 - ``"pad"``: pad every rank's rows to ``max(sizes)``, one all_gather, cut the
-  padding out (``_rows.cut_padding``). Two collectives (with the size exchange),
-  but the padding travels.
-- ``"a2a"``: no padding; every rank's rows reach the others in ``world - 1``
-  shifted all_to_all_singles.
-- ``"auto"``: the rows every rank has (``min(sizes)``) in one all_gather, the
-  rest as ``"a2a"`` does; past :data:`AUTO_SHIFTS_MAX_WORLD` ranks, ``"pad"``.
+  padding out (``_rows.cut_padding``). One collective too, but the padding
+  travels; with equal sizes it is the even all_gather itself (no copies).
+- ``"shift"``: the rows every rank has (``min(sizes)``) in one all_gather, the
+  rest in ``world - 1`` shifted all_to_all_singles, the k-th sending this rank's
+  rows to rank ``rank + k``: no padding and no copy to send, but ``world``
+  collectives, whose latencies add up on small messages.
+- ``"auto"``: ``"a2a"`` up to :data:`AUTO_A2A_MAX_WORLD` ranks, ``"pad"`` past it.
 
-Every choice here depends only on what every rank holds identically (the
-strategy argument, the world size, the exchanged sizes), so every rank issues the
-same collectives. The primitives that carry them out are ``_prims.gather_rows``
-and ``_prims.gather_pieces``.
+Every choice here is static: it depends on the strategy argument and the world
+size alone, never on the sizes, so every rank, eager or compiled, issues the same
+collectives (eager code may skip local copies that equal sizes make needless,
+never a collective). A choice by message size would need the sizes, which a
+compiled graph holds as unbacked symbols it cannot branch on. The primitives
+that carry the strategies out are ``_prims.gather_rows`` and
+``_prims.gather_pieces``; docs/benchmarks.md has their measured costs.
 """
 
 from __future__ import annotations
@@ -26,30 +35,29 @@ import torch
 
 from ._checks import IntLike
 
-STRATEGIES = ("auto", "pad", "a2a")
+STRATEGIES = ("auto", "pad", "a2a", "shift")  # a header carries the index: append only
 
-# "auto" sends what does not fit the common all_gather with world - 1 shifted
-# all_to_all_singles: no copies, but a number of collectives, and so of latencies,
-# that grows with the world. Past this many ranks "auto" pads instead (one
-# all_gather). The number is a static choice (so every rank makes the same one),
-# set from this reasoning, not from a measurement: the machine funcoll is tested
-# on runs at most 4 ranks.
-AUTO_SHIFTS_MAX_WORLD = 8
+# Past this many ranks "auto" pads. The all_to_all of "a2a" returns a length that
+# a compiled graph holds as the sum of `world` unbacked sizes, which the
+# partitioner re-evaluates for every node of the backward (over a minute at 1024
+# ranks, against seconds for the padded layout, whose length is one symbol read
+# off the size table); its input is also `world` copies of the rows. A static
+# choice, from the world size alone, so every rank makes the same one.
+AUTO_A2A_MAX_WORLD = 64
 
 
 def resolve(strategy: str, size: int) -> str:
-    """The strategy that runs: "auto" pads past AUTO_SHIFTS_MAX_WORLD ranks."""
-    return "pad" if strategy == "auto" and size > AUTO_SHIFTS_MAX_WORLD else strategy
+    """The strategy that runs at `size` ranks: "auto" is "a2a", or "pad" past AUTO_A2A_MAX_WORLD ranks."""
+    if strategy == "auto":
+        return "a2a" if size <= AUTO_A2A_MAX_WORLD else "pad"
+    return strategy
 
 
-def common_rows(strategy: str, sizes: Sequence[IntLike], smallest: IntLike | None) -> IntLike:
-    """How many of every rank's first rows go in the all_gather of a shifted strategy.
+def common_rows(sizes: Sequence[IntLike], smallest: IntLike | None) -> IntLike:
+    """How many of every rank's first rows go in the all_gather of ``"shift"``: ``min(sizes)``.
 
-    ``"a2a"``: none. ``"auto"``: ``min(sizes)`` (`smallest` when the caller read it
-    off the size table).
+    `smallest` is that minimum when the caller read it off the size table.
     """
-    if strategy == "a2a":
-        return 0
     return sym_min(sizes) if smallest is None else smallest
 
 

@@ -53,6 +53,12 @@ MISMATCHES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
         lambda r, w: funcoll.reduce_scatter(_z(w, 2), op="max" if _last(r, w) else "sum"),
         ["`op`", "'max'", "'sum'"],
     ),
+    "reduce_scatter-ragged-sizes-disagree": (  # unchecked: one all_to_all, no header
+        lambda r, w: funcoll.reduce_scatter(
+            _z(w + 1, 2), sizes=[2] + [1] * (w - 1) if _last(r, w) else [1] * (w - 1) + [2]
+        ),
+        ["funcoll.reduce_scatter:", "ranks disagree on `sizes`"],
+    ),
     "all_reduce-ndim": (
         lambda r, w: funcoll.all_reduce(_z(3, 1) if _last(r, w) else _z(3)),
         ["funcoll.all_reduce:", "`x`.ndim"],

@@ -208,7 +208,7 @@ def _weight(rank: int, shape: torch.Size) -> Tensor:
 
 
 def _run_ops(rank: int, world: int) -> dict[str, Any]:
-    from funcoll import _kernels, _strategy
+    from funcoll import _kernels
 
     calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0}
 
@@ -229,11 +229,10 @@ def _run_ops(rank: int, world: int) -> dict[str, Any]:
     (y * _weight(rank, y.shape)).sum().backward()
     out["gather-pad"] = (y.detach(), x.grad)
 
-    _strategy.AUTO_SHIFTS_MAX_WORLD = 1  # "auto" pads from 2 ranks on
     xt = _rows(rank, lengths[rank]).t().requires_grad_()  # ragged dim 1, non-contiguous
-    yt, _ = funcoll.all_gather_ragged(xt, 1)
+    yt, _ = funcoll.all_gather_ragged(xt, 1, strategy="pad")
     (yt * _weight(rank, yt.shape)).sum().backward()
-    out["all_gather_ragged-auto-dim1"] = (yt.detach(), xt.grad)
+    out["all_gather_ragged-pad-dim1"] = (yt.detach(), xt.grad)
 
     xb = _rows(rank, lengths[rank], dtype=BOOL)
     out["gather-pad-bool"] = (funcoll.gather(xb, strategy="pad"), None)
@@ -286,7 +285,7 @@ def _reference(world: int) -> dict[str, Any]:
     return {
         "all_to_all_padded": ([y2.detach() for y2 in ys2], grads2, recvs),
         "gather-pad": (y.detach(), grads),
-        "all_gather_ragged-auto-dim1": (yt.detach(), grads_t),
+        "all_gather_ragged-pad-dim1": (yt.detach(), grads_t),
         "gather-pad-bool": (yb, None),
         "gather_padded": (yp, grads_p, torch.tensor(lengths)),
     }
@@ -297,7 +296,7 @@ def test_ops_on_the_kernels_match_references(world: int) -> None:
     results = run_with_kernels(_run_ops, world, interpret=True)  # gloo: CPU tensors
     ref = _reference(world)
     for rank, res in enumerate(results):
-        for name in ("gather-pad", "all_gather_ragged-auto-dim1", "gather-pad-bool"):
+        for name in ("gather-pad", "all_gather_ragged-pad-dim1", "gather-pad-bool"):
             y, grad = res[name]
             y_ref, grads_ref = ref[name]
             assert torch.equal(y, y_ref), (rank, name)

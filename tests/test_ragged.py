@@ -32,10 +32,10 @@ import funcoll
 from funcoll.testing import run_ranks
 
 WORLDS = (1, 2, 3, 4)
-DTYPES = ("float32", "float64", "bfloat16", "int64", "bool")
+DTYPES = ("float32", "float64", "bfloat16", "int64", "bool", "complex64")
 REDUCE_DTYPES = ("float32", "float64", "bfloat16", "int64")
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
-STRATEGIES = ("auto", "pad", "a2a")
+STRATEGIES = ("auto", "pad", "a2a", "shift")
 LAYOUTS = ("contig", "strided", "transposed")
 # Shape templates with the ragged dim (its entry is replaced by each rank's length): 1-D to 4-D,
 # odd sizes, negative dims.
@@ -64,7 +64,7 @@ class Case:
     counts: tuple[tuple[int, ...], ...]  # world x world; rank r's length is sum(counts[r])
     dtype: str = "float32"
     layout: str = "contig"
-    strategy: str = "auto"  # gather
+    strategy: str = "auto"  # gather, all_gather_list, all_gather_ragged
     dst: int | None = None  # gather
     reduce_op: str = "sum"  # reduce_scatter
     sizes_as: str = "list"  # reduce_scatter / all_to_all_v: sizes passed as a list or a tensor
@@ -155,6 +155,8 @@ def explicit_cases(world: int) -> list[Case]:
         *({"op": "gather", "dst": k} for k in range(world)),
         {"op": "all_gather_list"},
         {"op": "all_gather_ragged"},
+        {"op": "all_gather_list", "strategy": "pad"},
+        {"op": "all_gather_ragged", "strategy": "shift"},
     ]
     given_variants: list[dict[str, Any]] = [  # the lengths passed in: nothing exchanged
         {"op": "gather", "strategy": "auto", "given": "list"},
@@ -170,9 +172,9 @@ def explicit_cases(world: int) -> list[Case]:
         for pattern in SIZE_PATTERNS[:3]:
             cases.append(make(pattern=pattern, dtype="float64", grad=True, **variant))
     for dtype in DTYPES:  # every gather variant in every dtype
-        for variant in [*gather_variants[:3], gather_variants[-3], *gather_variants[-2:]]:
+        for variant in [*gather_variants[: len(STRATEGIES)], gather_variants[-5], *gather_variants[-4:-2]]:
             cases.append(make(pattern="zero-on-0-2", dtype=dtype, **variant))
-    for variant in [*gather_variants[:3], *gather_variants[-2:]]:  # gradients
+    for variant in [*gather_variants[: len(STRATEGIES)], *gather_variants[-4:]]:  # gradients
         for pattern in SIZE_PATTERNS[:3]:
             cases.append(make(pattern=pattern, dtype="float64", grad=True, **variant))
     for i, rop in enumerate(REDUCE_OPS):  # ragged reduce_scatter
@@ -318,9 +320,9 @@ def call_op(case: Case, x: Tensor, rank: int) -> Any:
     if case.op == "gather":
         return funcoll.gather(x, case.dim, case.dst, strategy=case.strategy, **given)
     if case.op == "all_gather_list":
-        return funcoll.all_gather_list(x, case.dim, **given)
+        return funcoll.all_gather_list(x, case.dim, strategy=case.strategy, **given)
     if case.op == "all_gather_ragged":
-        return funcoll.all_gather_ragged(x, case.dim, **given)
+        return funcoll.all_gather_ragged(x, case.dim, strategy=case.strategy, **given)
     if case.op == "reduce_scatter":
         return funcoll.reduce_scatter(
             x, case.dim, op=case.reduce_op, sizes=sizes_arg(case.sizes, case.sizes_as)
@@ -620,16 +622,15 @@ def many_ranks_input(world: int, rank: int, dim: int) -> Tensor:
 
 
 def many_ranks_ops(x: Tensor, dim: int) -> list[Tensor]:
-    y = funcoll.gather(x, dim)
-    pieces = funcoll.all_gather_list(x, dim)
-    z, _ = funcoll.all_gather_ragged(x, dim)
+    y = funcoll.gather(x, dim, strategy="pad")
+    pieces = funcoll.all_gather_list(x, dim, strategy="pad")
+    z, _ = funcoll.all_gather_ragged(x, dim, strategy="pad")
     return [y, *pieces, z]
 
 
 def many_ranks_body(rank: int, world: int) -> dict[int, Any]:
-    # What "auto" does above 8 ranks (pad, cut by index, the list as views of the
-    # padded blocks), here on 2-4 real ranks: lower the threshold in this process.
-    funcoll._strategy.AUTO_SHIFTS_MAX_WORLD = 1
+    # The padded layout (cut by index, the list as views of the padded blocks) of
+    # every gather, forward and backward, in one run.
     out = {}
     for dim in (0, -1):
         x = many_ranks_input(world, rank, dim).requires_grad_()
@@ -641,7 +642,7 @@ def many_ranks_body(rank: int, world: int) -> dict[int, Any]:
 
 
 @pytest.mark.parametrize("world", WORLDS[1:], ids=[f"w{w}" for w in WORLDS[1:]])
-def test_padded_auto_layout_of_many_ranks(world: int) -> None:
+def test_padded_layout_of_every_gather(world: int) -> None:
     ranks = run_ranks(many_ranks_body, world, timeout=60)
     for dim in (0, -1):
         xs = [many_ranks_input(world, r, dim).requires_grad_() for r in range(world)]
