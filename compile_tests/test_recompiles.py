@@ -293,6 +293,26 @@ def test_mark_ragged_empty_inner_dim_after_the_first_call_adds_no_graph() -> Non
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("returned", [pytest.param(True, id="returned"), pytest.param(False, id="in-place")])
+def test_mark_ragged_in_place_or_returned_compiles_once(returned: bool) -> None:
+    # Users know mark_dynamic / mark_unbacked, which mark in place and whose return
+    # value they drop: an empty inner dim must cost no second graph either way.
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda x: (x * 2).sum(0), backend=counter, fullgraph=True)
+    for n in (2, 0, 3, 0, 1):
+        leaf = torch.randn(2, n).requires_grad_()
+        x = leaf.exp()  # an activation, which exp saved for its backward
+        if returned:
+            x = funcoll.mark_ragged(x, 1)
+        else:
+            assert funcoll.mark_ragged(x, 1) is x
+        step(x).sum().backward()
+        torch.testing.assert_close(leaf.grad, 2 * leaf.detach().exp())  # through exp's saved output
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("world, op", _case_params())
 def test_without_mark_ragged_recompiles_only_as_dynamo_does(world: int, op: str) -> None:
     for rank, res in enumerate(_rank_results(world, op, mark=False)):

@@ -26,17 +26,18 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     A thin wrapper over ``torch._dynamo.decorators.mark_unbacked``: the compiled graph
     treats ``x.shape[dim]`` as an unbacked symbol, so it never specializes on it (not
     even on 0 or 1) and one graph serves every length. Call it on the input outside
-    the compiled function; inside one, and in eager code, it does nothing. Returns
-    `x` (marked), so it can wrap an argument in place: pass on what it returns.
+    the compiled function; inside one, and in eager code, it does nothing. It marks
+    `x` itself, as ``mark_dynamic`` and ``mark_unbacked`` do, and returns it, so
+    both ``mark_ragged(x, 1); step(x)`` and ``step(mark_ragged(x, 1))`` work.
 
-    An empty `x` comes back as a view with the strides of its shape, unclamped:
-    torch gives an empty ``(2, 0)`` tensor strides ``(1, 1)``, not ``(0, 1)``, and a
-    graph traced with ``stride(0) == size(1)`` would be compiled again for every
-    new local length of 0 on a dim that is not the outermost. The view holds no
-    elements, so only its strides differ, and gradients reach `x`. One case stays
-    dynamo's own: if the *first* call has length 0 there, dynamo cannot tie the
-    stride to the unbacked size and traces it static, so the next non-empty call
-    compiles a second graph, which then serves every length.
+    An empty `x` gets the strides of its shape, unclamped, in place: torch gives an
+    empty ``(2, 0)`` tensor strides ``(1, 1)``, not ``(0, 1)``, and a graph traced
+    with ``stride(0) == size(1)`` would be compiled again for every new local
+    length of 0 on a dim that is not the outermost. The tensor holds no elements,
+    so only its strides change, and its version counter is kept, so a backward
+    that saved it still runs. One case stays dynamo's own: if the *first* call has length 0 there,
+    dynamo cannot tie the stride to the unbacked size and traces it static, so
+    the next non-empty call compiles a second graph, which then serves every length.
 
     `min_size` tells the compiler the length is never below it. Code after the
     op that branches on an empty length, as ``scaled_dot_product_attention``
@@ -85,6 +86,9 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
         for i in range(x.dim() - 2, -1, -1):
             strides[i] = strides[i + 1] * x.shape[i + 1]
         if tuple(strides) != x.stride():
-            x = x.as_strided(x.shape, strides)
+            # Metadata only, as x holds no elements: the version counter stays, so an
+            # autograd node that saved x does not see a change that changed no value.
+            with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(x):
+                x.as_strided_(x.shape, strides)
     torch._dynamo.decorators.mark_unbacked(x, d, **bound)
     return x

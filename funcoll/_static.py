@@ -110,9 +110,10 @@ def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g:
 
 
 # The header travels in the data's collective as rows of the integer dtype of the
-# data's element size (the data is bit-cast to it on the way). Each int64 of the
-# header becomes 8 / itemsize pieces of itemsize bytes, by arithmetic on int64,
-# so that no cast between element sizes enters a compiled graph.
+# data's element size, bit-cast to the data's dtype for the trip (see
+# ``_prims._with_rows``). Each int64 of the header becomes 8 / itemsize pieces of
+# itemsize bytes, by arithmetic on int64, so that no view between element sizes
+# enters a compiled graph (inductor drops the copy such a view needs).
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
