@@ -22,6 +22,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -75,6 +76,66 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
 
 
+def _exited(procs: list[Any], reported: set[int], failed_only: bool = False) -> list[int]:
+    """The ranks whose process ended without reporting anything (`failed_only`: with a nonzero code).
+
+    A worker exits with code 0 after it reports, so a 0 may only mean that its
+    report is still in the queue; a nonzero code or a signal means it died.
+    """
+    return [
+        r
+        for r, p in enumerate(procs)
+        if r not in reported and p.exitcode is not None and (p.exitcode != 0 or not failed_only)
+    ]
+
+
+def _dead_message(procs: list[Any], dead: list[int], world: int) -> str:
+    def how(code: int) -> str:
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    return "\n".join(
+        f"run_ranks: rank {r} of {world} died without a result ({how(procs[r].exitcode)})" for r in dead
+    )
+
+
+# What a rank raises when a peer is gone: a consequence, listed after the cause.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _failure(procs: list[Any], results: Any, reported: set[int], errors: dict[int, str], world: int) -> str:
+    """The message of a failed run: the dead ranks, then every error, causes before consequences.
+
+    A rank that raises or dies makes its peers fail in their next collective, and
+    whichever report arrives first need not be the cause, so the others get
+    :data:`_GRACE_S` seconds to report or die too.
+    """
+    end = time.monotonic() + _GRACE_S
+    while len(reported) < len(procs) and time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            if all(p.exitcode is not None for r, p in enumerate(procs) if r not in reported):
+                break
+            continue
+        reported.add(rank)
+        if not ok:
+            errors[rank] = payload
+    dead = _exited(procs, reported, failed_only=True)
+    order = sorted(errors, key=lambda r: (any(s in errors[r] for s in _PEER_GONE), r))
+    parts = ([_dead_message(procs, dead, world)] if dead else []) + [
+        f"rank {r} of {world} raised:\n{errors[r]}" for r in order
+    ]
+    return "\n".join(parts)
+
+
+_GRACE_S = 2.0
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -95,8 +156,12 @@ def run_ranks(
         ``[result of rank 0, result of rank 1, ...]`` (results travel with ``torch.save``).
 
     Raises:
-        RankError: a rank raised; the message carries its traceback.
-        TimeoutError: not every rank finished within `timeout` (a hang, a dead rank).
+        RankError: a rank raised (the message carries its traceback), or died
+            without a result: it exited (``os._exit``) or a signal killed it (a
+            segfault), reported with its exit code or signal. A rank that dies
+            usually makes its peers raise too (gloo: "Connection reset by peer");
+            the dead rank is reported first, as the cause.
+        TimeoutError: not every rank finished within `timeout` (a hang).
     """
     method = os.environ.get("FUNCOLL_TEST_START_METHOD", "fork")
     ctx = mp.get_context(method)
@@ -113,6 +178,7 @@ def run_ranks(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    reported: set[int] = set()  # ranks that sent a result or an error
     deadline = time.monotonic() + timeout
     try:
         while len(out) < world:
@@ -123,17 +189,15 @@ def run_ranks(
             try:
                 rank, ok, payload = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
-                if dead:  # died without reporting (killed, segfault): give the queue a moment
-                    try:
-                        rank, ok, payload = results.get(timeout=2.0)
-                    except queue.Empty:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RankError(f"run_ranks: ranks {dead} exited without a result: {codes}") from None
-                else:
+                if not _exited(procs, reported):
                     continue
+                try:  # an exit without a result: give the queue a moment, in case one is on its way
+                    rank, ok, payload = results.get(timeout=_GRACE_S)
+                except queue.Empty:
+                    raise RankError(_failure(procs, results, reported, {}, world)) from None
+            reported.add(rank)
             if not ok:
-                raise RankError(f"rank {rank} of {world} raised:\n{payload}")
+                raise RankError(_failure(procs, results, reported, {rank: payload}, world))
             out[rank] = _loads(payload)
     finally:
         for p in procs:

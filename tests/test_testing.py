@@ -1,0 +1,65 @@
+"""funcoll.testing.run_ranks reports what went wrong, in bounded time.
+
+A rank that raises is reported with its traceback. A rank that dies without a
+result, from ``os._exit`` or a signal (a segfault), is reported as dead, with
+its exit code or signal, even though its peers, left waiting in a collective,
+fail or hang after it. Each case would otherwise end in run_ranks' TimeoutError
+(or hang the suite), so a RankError that names the right rank and cause is the
+test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import funcoll
+from funcoll.testing import RankError, run_ranks
+
+TIMEOUT_S = 60.0
+
+
+def _fails(rank: int, world: int, how: str) -> object:
+    if rank == world - 1:
+        if how == "exit":
+            os._exit(3)
+        if how == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if how == "raise":
+            raise ValueError("bad batch on the last rank")
+    return funcoll.gather(torch.ones(rank + 1))  # the other ranks wait in the size exchange
+
+
+@pytest.mark.parametrize(
+    "how, fragment",
+    [
+        pytest.param("exit", "run_ranks: rank 2 of 3 died without a result (exit code 3)", id="os._exit"),
+        pytest.param(
+            "segv", "run_ranks: rank 2 of 3 died without a result (killed by SIGSEGV)", id="segfault"
+        ),
+        pytest.param("raise", "rank 2 of 3 raised:", id="raise"),  # before the peers' connection errors
+    ],
+)
+def test_a_failing_rank_is_reported_as_the_cause(how: str, fragment: str) -> None:
+    with pytest.raises(RankError) as info:
+        run_ranks(_fails, 3, how, timeout=TIMEOUT_S)
+    message = str(info.value)
+    assert message.startswith(fragment), message
+    if how == "raise":
+        assert "ValueError: bad batch on the last rank" in message, message
+
+
+def _hangs(rank: int, world: int) -> object:
+    if rank == world - 1:
+        return None  # never joins the collective the others wait in
+    return funcoll.gather(torch.ones(rank + 1))
+
+
+def test_a_rank_that_never_calls_ends_in_a_timeout_error() -> None:
+    # The others wait in the size exchange until run_ranks' deadline; all are killed.
+    with pytest.raises((TimeoutError, RankError)) as info:
+        run_ranks(_hangs, 2, timeout=10.0)
+    assert "rank" in str(info.value)
