@@ -45,7 +45,7 @@ AG, RS, AR, A2A, BC = (
 # What one call issues at a world size: (forward, backward) counts of each
 # collective; backward None when nothing there requires grad.
 Plan = tuple[dict[str, int], dict[str, int] | None]
-HEADER = {AG: 1}  # the size exchange (or the static ops' counts header): one small all_gather
+HEADER = {AG: 1}  # the size exchange: one small all_gather
 
 
 def _plus(*counts: dict[str, int]) -> dict[str, int]:
