@@ -35,9 +35,10 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     with ``stride(0) == size(1)`` would be compiled again for every new local
     length of 0 on a dim that is not the outermost. The tensor holds no elements,
     so only its strides change, and its version counter is kept, so a backward
-    that saved it still runs. One case stays dynamo's own: if the *first* call has length 0 there,
-    dynamo cannot tie the stride to the unbacked size and traces it static, so
-    the next non-empty call compiles a second graph, which then serves every length.
+    that saved it still runs. One case stays dynamo's own: if the *first* call
+    has length 0 there, dynamo cannot tie the stride to the unbacked size and
+    traces it static, so the next non-empty call compiles a second graph, which
+    then serves every length.
 
     `min_size` tells the compiler the length is never below it. Code after the
     op that branches on an empty length, as ``scaled_dot_product_attention``

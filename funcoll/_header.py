@@ -24,7 +24,6 @@ size exchange. docs/compile.md says what else this changes.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._group import Group
 from ._prims import Stats
-from ._strategy import STRATEGIES
+from ._strategy import STRATEGIES, sym_max, sym_min
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -506,5 +505,5 @@ def row_sizes(
     if checks_enabled():
         flagged = torch.tensor([*(int(n) for n in sizes), 1], dtype=torch.int64)  # the list, then "given"
         exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
-    stats = (functools.reduce(torch.sym_min, sizes), functools.reduce(torch.sym_max, sizes), sum(sizes))
+    stats = (sym_min(sizes), sym_max(sizes), sum(sizes))
     return sizes, stats, None

@@ -26,10 +26,9 @@ from ._checks import (
     check_total,
     fresh,
 )
-from ._config import checks_enabled
 from ._dtensor import dtensor_input, refuse_dtensor
 from ._group import Group, GroupLike, resolve_group
-from ._header import SIZE, WIDTH, exchange, given_sizes, host_sizes, row_sizes
+from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
 from ._strategy import STRATEGIES, sym_max, sym_min
 from ._wire import unwire, wire, wire_op
@@ -305,10 +304,7 @@ def reduce_scatter_v(
     _check_total(opname, "sizes", given, x, dim)
     if g.is_single:
         return fresh(x)
-    if checks_enabled():
-        sizes_t = torch.tensor(list(given), dtype=torch.int64)
-        _, ints = exchange("reduce_scatter", x, dim, g, args=(REDUCE_OPS.index(reduce_op), 1), sizes=sizes_t)
-        torch._check(ints[0] == given[0])  # ties the checked read to the trace (see check_agreement)
+    check_agreement("reduce_scatter", x, g, dim, (REDUCE_OPS.index(reduce_op), 1), given)
     stats = (sym_min(given), sym_max(given), x.shape[dim])
     xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
     y = _prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats)

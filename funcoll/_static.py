@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -146,6 +146,30 @@ def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike
     return torch.cat([pieces, pieces.new_zeros(k * row - pieces.shape[0])]).view(k, *row_shape)
 
 
+def _move(
+    opname: str, x: Tensor, d: int, xm: Tensor, counts: Tensor, bound: IntLike, g: Group,
+    plain: Callable[[Tensor], Tensor], with_rows: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[Tensor, IntLike, Tensor]:  # fmt: skip
+    """Move `xm`'s blocks and the counts header, check the header: (blocks, block stride, table).
+
+    `plain` moves the blocks alone, after the header went on its own; `with_rows`
+    moves them with the header's rows after each block, in one collective (see
+    :func:`_fused`). Each rank's block in the result is `bound` data rows, then
+    the header's rows when they came along: the stride. The table is every
+    rank's header, checked on the device.
+    """
+    twin = _fused(xm, g)
+    if twin is None:  # the header first, on its own
+        table = _exchange(opname, x, d, counts, bound, g)
+        return (xm if g.is_single else plain(xm)), bound, table
+    header = _header(x, d, counts)
+    extra = _header_rows(header, twin, xm.shape[1:])
+    blocks = with_rows(xm, extra)
+    table = _read_header(_tails(blocks, twin, g.size, bound, extra.shape[0]), header.shape[0])
+    _check_table(opname, table, counts.numel(), bound, x, d)
+    return blocks, bound + extra.shape[0], table
+
+
 def _tails(blocks: Tensor, dtype: torch.dtype, world: int, n: IntLike, k: int) -> Tensor:
     """The k header rows after each rank's `n` data rows of `blocks`, bit-cast back: ``(world, k, *R)``."""
     return blocks.detach().view(dtype).view(world, n + k, *blocks.shape[1:]).narrow(1, n, k)
@@ -232,18 +256,12 @@ def gather_padded(
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
     g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
-    twin = _fused(xm, g)
-    if twin is None:  # the header first, on its own
-        sizes = _exchange(opname, x, d, mine, bound, g)[:, 0]
-        blocks, stride = (xm if g.is_single else _prims.all_gather_p(xm, g.name, g.size)), bound
-    else:  # the header's rows after this rank's block, in one all_gather
-        header = _header(x, d, mine)
-        extra = _header_rows(header, twin, xm.shape[1:])
-        blocks = _prims.all_gather_blocks_p(xm, extra, g.name, g.size)
-        stride = bound + extra.shape[0]
-        table = _read_header(_tails(blocks, twin, g.size, bound, extra.shape[0]), header.shape[0])
-        _check_table(opname, table, 1, bound, x, d)
-        sizes = table[:, 0]
+    blocks, stride, table = _move(
+        opname, x, d, xm, mine, bound, g,
+        lambda t: _prims.all_gather_p(t, g.name, g.size),
+        lambda t, extra: _prims.all_gather_blocks_p(t, extra, g.name, g.size),
+    )  # fmt: skip
+    sizes = table[:, 0]
     y = unwire(pack(blocks, sizes, stride, g.size * bound), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
@@ -319,18 +337,12 @@ def all_to_all_padded(
     cap = rows // g.size
     send = _counts_tensor(opname, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
     xm = wire(x).movedim(d, 0)
-    twin = _fused(xm, g)
-    if twin is None:  # the header first, on its own
-        table = _exchange(opname, x, d, send, cap, g)
-        split = [cap] * g.size
-        blocks, stride = (xm if g.is_single else _prims.all_to_all_p(xm, split, split, g.name)), cap
-    else:  # the header's rows after every block, in one all_to_all
-        header = _header(x, d, send)
-        extra = _header_rows(header, twin, xm.shape[1:])
-        blocks = _prims.all_to_all_blocks_p(xm, extra, g.name, g.size)
-        stride = cap + extra.shape[0]
-        table = _read_header(_tails(blocks, twin, g.size, cap, extra.shape[0]), header.shape[0])
-        _check_table(opname, table, g.size, cap, x, d)
+    split = [cap] * g.size
+    blocks, stride, table = _move(
+        opname, x, d, xm, send, cap, g,
+        lambda t: _prims.all_to_all_p(t, split, split, g.name),
+        lambda t, extra: _prims.all_to_all_blocks_p(t, extra, g.name, g.size),
+    )  # fmt: skip
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
     y = unwire(pack(blocks, recv_sizes, stride, g.size * cap), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()

@@ -103,6 +103,7 @@ def _dead_message(procs: list[Any], dead: list[int], world: int) -> str:
     )
 
 
+_GRACE_S = 2.0  # how long the other ranks get to report once one has failed or died
 # What a rank raises when a peer is gone: a consequence, listed after the cause.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -131,9 +132,6 @@ def _failure(procs: list[Any], results: Any, reported: set[int], errors: dict[in
         f"rank {r} of {world} raised:\n{errors[r]}" for r in order
     ]
     return "\n".join(parts)
-
-
-_GRACE_S = 2.0
 
 
 def run_ranks(
