@@ -77,6 +77,7 @@ __all__ = [
     "flatten",
     "forbidden_calls",
     "has_error",
+    "in_flight",
     "loss_weights",
     "ragged_sizes",
     "recording_backend",
@@ -793,9 +794,20 @@ def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None 
         return {
             "outputs": [None if o is None else o.detach().clone() for o in outputs],
             "grads": [inputs[i].grad for i in case.grad_inputs],
+            "in_flight": in_flight(),
         }
     except Exception:  # noqa: BLE001 -- any failure is a result the test reports
         return {"error": traceback.format_exc(limit=-8)}
+
+
+def in_flight() -> int:
+    """Collectives issued and not yet waited for in this process (c10d's work registry).
+
+    A functional collective registers its work until ``wait_tensor``; whatever is
+    left at exit makes c10d warn of "unwaited collective calls". After every op,
+    eager or compiled, forward and backward, this must be 0.
+    """
+    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def has_error(result: dict[Any, Any]) -> bool:

@@ -141,6 +141,7 @@ def _lookup(per_rank: dict, rank: int, case: OpCase, key: Any) -> Any:
 def _check_run(got: dict, want_outputs: list, want_grads: list | None, what: str) -> None:
     if "error" in got:
         pytest.fail(f"{what} raised:\n{got['error']}")
+    assert got["in_flight"] == 0, f"{what}: {got['in_flight']} collectives left unwaited"
     assert len(got["outputs"]) == len(want_outputs), f"{what}: {len(got['outputs'])} outputs"
     for k, (o, w) in enumerate(zip(got["outputs"], want_outputs, strict=True)):
         if w is None:

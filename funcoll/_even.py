@@ -24,6 +24,7 @@ from ._checks import (
     tensor_split_sizes,
 )
 from ._dtensor import dtensor_input, refuse_dtensor
+from ._faults import public_op
 from ._group import GroupLike, resolve_group
 from ._header import check_agreement
 from ._ragged import reduce_scatter_v
@@ -51,6 +52,7 @@ def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
     return moved.reshape(out_shape)
 
 
+@public_op("all_gather")
 def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool = True) -> Tensor:
     """Gather `x` from every rank of `group` (JAX ``all_gather``).
 
@@ -112,6 +114,7 @@ def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool)
     return gathered if d == 0 else _merge_rank_axis(stacked, d)
 
 
+@public_op("all_gather_into_tensor")
 def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
     """The functional form of ``torch.distributed.all_gather_into_tensor``.
 
@@ -136,6 +139,7 @@ def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
     return _all_gather("funcoll.all_gather_into_tensor", x, 0, group, False)
 
 
+@public_op("reduce_scatter")
 def reduce_scatter(
     x: Tensor,
     dim: int = 0,
@@ -232,6 +236,7 @@ def reduce_scatter(
     return y.squeeze(d) if not tiled else y
 
 
+@public_op("all_reduce")
 def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result (JAX ``psum``).
 
@@ -305,6 +310,7 @@ def split_sizes(total: int, world: int) -> list[int]:
     return tensor_split_sizes(total, world)
 
 
+@public_op("all_to_all")
 def all_to_all(
     x: Tensor,
     group: GroupLike = None,
@@ -462,6 +468,7 @@ def _check_perm(opname: str, perm: object, size: int) -> list[tuple[int, int]]:
     return pairs
 
 
+@public_op("ppermute")
 def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = None) -> Tensor:
     """Send `x` along the (src, dst) pairs of `perm` (JAX ``ppermute``).
 
@@ -533,6 +540,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     return unwire(got.view(x.shape), x.dtype)
 
 
+@public_op("broadcast")
 def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     """Every rank gets rank `src`'s `x`.
 

@@ -102,7 +102,8 @@ def exchange(
         tail = sizes.to(device=x.device, dtype=torch.int64).reshape(-1)
         tail = torch.cat([tail, tail.new_zeros(TAIL * g.size - tail.shape[0])])
     header = torch.cat([header, tail])
-    table = _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
+    step = "the cross-rank check" if HEADERS[key].check_only else "the size exchange"
+    table = _prims._all_gather_impl(header, g.name, g.size, step).view(g.size, -1)
     return table, host_ints(table, key, g.rank)
 
 

@@ -34,13 +34,13 @@ a ctx: only the group's name, world size and rank, which are plain Python values
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from . import _faults
 from ._checks import IntLike
 from ._rows import cut_padding, pad_rows
 from ._strategy import all_equal, common_rows, resolve, sym_max
@@ -51,27 +51,46 @@ _F = torch.ops._c10d_functional
 Stats = tuple[IntLike, IntLike, IntLike]
 
 
-def _wait(t: Tensor) -> Tensor:
-    return _F.wait_tensor(t)
+def _run(collective: str, group_name: str, issue: Callable[[], Tensor], step: str = "") -> Tensor:
+    """Issue one collective and wait for it.
+
+    In eager code a backend failure (a peer rank died, raised or stayed away) is
+    re-raised naming the funcoll op, the collective and its `step`
+    (:mod:`funcoll._faults`). While compiling this is the issue and the wait alone.
+    """
+    if torch.compiler.is_compiling():
+        return _F.wait_tensor(issue())
+    try:
+        return _F.wait_tensor(issue())
+    except RuntimeError as e:
+        raise _faults.failed(collective, group_name, step, e) from e
 
 
 def _payload(x: Tensor) -> Tensor:
-    """`x` as a collective's input: contiguous, and a node of its own when it is empty.
+    """`x` as a collective's input: contiguous and, in a compiled graph, a node of its own.
 
-    Compilers merge equal nodes (AOT autograd's CSE), collectives included: two
-    collectives on the same input with the same arguments become one. On a rank
+    Compilers merge equal nodes (AOT autograd's CSE on the joint graph),
+    collectives included: two collectives on equal inputs with equal arguments
+    become one. Whether two inputs are equal can differ between ranks: on a rank
     whose tensor is empty by its static shape (a Ulysses rank with no head, a rank
-    with no rows to send), the gradients feeding several collectives can all be
-    the same constant empty tensor, so that rank would issue fewer collectives than
-    the others and the step would hang. An empty tensor's values are never read, so
-    each collective's input gets a fresh ``torch.empty`` added to it: ``aten.empty``
-    is never merged, so neither is the add nor the collective, and the add keeps
-    the input's place in the graph (an input that no longer depended on the
-    gradient would let the partitioner hoist a backward collective into the
-    forward on that rank alone).
+    with no rows to send) the gradients feeding several collectives can all be
+    the same constant empty tensor, while on the others they differ; and the same
+    tensor sent twice is merged on every rank whose input is not rebuilt per call.
+    Either way one rank issues fewer collectives than another and the step hangs.
+    So in a compiled graph every collective's input on every rank is ``x`` minus
+    the sum of a fresh empty tensor (exactly ``x``: ``x - 0`` keeps signed zeros,
+    NaNs and integers; a bool ``x`` is xor'ed with ``any()`` of one, ``False``).
+    ``aten.empty`` is never merged, so neither is the subtraction nor the
+    collective, on any rank, and the input keeps its place in the graph (an input
+    that no longer depended on the gradient would let the partitioner hoist a
+    backward collective into the forward). Inductor fuses the subtraction into
+    the kernel that produces ``x``; when ``x`` comes straight from a graph input or
+    a matmul it costs one copy of the payload.
     """
-    if torch.compiler.is_compiling() and statically_known_true(x.numel() == 0):
-        return x + torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if torch.compiler.is_compiling():
+        zero = torch.empty((0,), dtype=x.dtype, device=x.device)
+        fresh = x ^ zero.any() if x.dtype == torch.bool else x - zero.sum()
+        return fresh.contiguous()
     return x.contiguous()
 
 
@@ -83,13 +102,16 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 
 
 # --------------------------------------------------------------------------- all_gather_p
-def _all_gather_impl(x: Tensor, group_name: str, world: int) -> Tensor:
-    return _wait(_F.all_gather_into_tensor(_payload(x), world, group_name))
+def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "") -> Tensor:
+    return _run(
+        "all_gather", group_name, lambda: _F.all_gather_into_tensor(_payload(x), world, group_name), step
+    )
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.group_name, ctx.world = group_name, world
         return _all_gather_impl(x, group_name, world)
 
@@ -104,21 +126,24 @@ def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------- reduce_scatter_p
-def _avg_as_sum(reduce_op: str, world: int, run: Any) -> Tensor:
+def _avg_as_sum(collective: str, group_name: str, reduce_op: str, world: int, issue: Any) -> Tensor:
     """Run a reducing collective; avg runs as sum / world (not every backend has avg)."""
-    y = _wait(run("sum" if reduce_op == "avg" else reduce_op))
+    o = "sum" if reduce_op == "avg" else reduce_op
+    y = _run(collective, group_name, lambda: issue(o))
     return y / world if reduce_op == "avg" else y
 
 
 def _reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
     return _avg_as_sum(
-        reduce_op, world, lambda o: _F.reduce_scatter_tensor(_payload(x), o, world, group_name)
-    )
+        "reduce_scatter", group_name, reduce_op, world,
+        lambda o: _F.reduce_scatter_tensor(_payload(x), o, world, group_name),
+    )  # fmt: skip
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
         return _reduce_scatter_impl(x, reduce_op, group_name, world)
 
@@ -145,12 +170,15 @@ def _scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- all_reduce
 def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
-    return _avg_as_sum(reduce_op, world, lambda o: _F.all_reduce(_payload(x), o, group_name))
+    return _avg_as_sum(
+        "all_reduce", group_name, reduce_op, world, lambda o: _F.all_reduce(_payload(x), o, group_name)
+    )
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
         return _all_reduce_impl(x, reduce_op, group_name, world)
 
@@ -172,12 +200,13 @@ def _all_to_all(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name:
     """
     if x.is_complex():
         return torch.view_as_complex(_all_to_all(torch.view_as_real(x), recv, send, group_name))
-    return _wait(_F.all_to_all_single(_payload(x), recv, send, group_name))
+    return _run("all_to_all", group_name, lambda: _F.all_to_all_single(_payload(x), recv, send, group_name))
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
+        _faults.remember(ctx)
         ctx.recv, ctx.send, ctx.group_name = _ctx_ints(recv), _ctx_ints(send), group_name
         return _all_to_all(x, recv, send, group_name)
 
@@ -208,6 +237,7 @@ def _with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
 class _AllGatherBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.n, ctx.group_name, ctx.world = _ctx_ints([x.shape[0]])[0], group_name, world
         return _all_gather_impl(_with_rows(x.unsqueeze(0), extra), group_name, world)
 
@@ -228,6 +258,7 @@ def all_gather_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
 class _AllToAllBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         cap = x.shape[0] // world
         ctx.cap, ctx.size = _ctx_ints([cap, cap + extra.shape[0]])
         ctx.group_name, ctx.world = group_name, world
@@ -256,8 +287,9 @@ def all_to_all_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
-        return _wait(_F.broadcast(_payload(x), src, group_name))
+        return _run("broadcast", group_name, lambda: _F.broadcast(_payload(x), src, group_name))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -274,9 +306,10 @@ def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> 
 class _Replicate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
         ctx.reduce_op, ctx.world = reduce_op, world
         if reduce_op is None:
-            return _wait(_F.broadcast(_payload(x), src, group_name))
+            return _run("broadcast", group_name, lambda: _F.broadcast(_payload(x), src, group_name))
         return _all_reduce_impl(x, reduce_op, group_name, world)
 
     @staticmethod
@@ -314,7 +347,7 @@ def _all_gather_v_impl(
     a backward into the forward, which would reorder one rank's collectives
     against another's).
     """
-    block = _wait(_F.all_gather_into_tensor(_payload(x.narrow(0, 0, common)), world, group_name))
+    block = _all_gather_impl(x.narrow(0, 0, common), group_name, world)
     extras = [n - common for n in sizes]
     mine = x.narrow(0, common, extras[rank]).contiguous()
     received: dict[int, Tensor] = {}
@@ -347,15 +380,16 @@ def _reduce_scatter_v_impl(
     mine = sizes[rank]
     got = _all_to_all(x, [mine] * world, list(sizes), group_name)
     stacked = got.view(world, mine, *x.shape[1:])
+    # sum/prod promote small integers to int64 by default; the collective keeps x's dtype.
     if reduce_op == "sum":
-        return stacked.sum(0)
+        return stacked.sum(0, dtype=x.dtype)
     if reduce_op == "avg":
         return stacked.sum(0) / world
     if reduce_op == "max":
         return stacked.amax(0)
     if reduce_op == "min":
         return stacked.amin(0)
-    return stacked.prod(0)
+    return stacked.prod(0, dtype=x.dtype)
 
 
 def _padded_blocks(
@@ -448,6 +482,7 @@ class _AllGatherV(torch.autograd.Function):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
+        _faults.remember(ctx)
         ctx.sizes, ctx.group_name, ctx.world, ctx.rank = _ctx_ints(sizes), group_name, world, rank
         ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
         return _all_gather_v_impl(x, sizes, common, group_name, world, rank)
@@ -470,6 +505,7 @@ class _ReduceScatterV(torch.autograd.Function):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
+        _faults.remember(ctx)
         ctx.sizes, ctx.reduce_op, ctx.group_name, ctx.world, ctx.rank = (
             _ctx_ints(sizes),
             reduce_op,

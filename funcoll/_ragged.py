@@ -27,6 +27,7 @@ from ._checks import (
     fresh,
 )
 from ._dtensor import dtensor_input, refuse_dtensor
+from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
@@ -73,6 +74,7 @@ def ragged_all_gather(
     return (y if dim == 0 else y.movedim(0, dim).contiguous()), table
 
 
+@public_op("gather")
 def gather(
     x: Tensor,
     dim: int = 0,
@@ -179,6 +181,7 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
         )
 
 
+@public_op("all_gather_list")
 def all_gather_list(
     x: Tensor,
     dim: int = 0,
@@ -229,6 +232,7 @@ def all_gather_list(
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
 
+@public_op("all_gather_ragged")
 def all_gather_ragged(
     x: Tensor,
     dim: int = 0,
@@ -312,6 +316,7 @@ def reduce_scatter_v(
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
 
+@public_op("all_to_all_v")
 def all_to_all_v(
     x: Tensor,
     send_sizes: Sequence[int] | Tensor,

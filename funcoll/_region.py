@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _prims
+from . import _faults, _prims
 from ._checks import IntLike, check_dim, check_tensor, fresh, tensor_split_sizes
 from ._dtensor import MeshAxis, dtensor_input
+from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
 from ._wire import unwire, wire
@@ -71,6 +72,7 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
         rank: int,
         sizes: list[IntLike] | None,
     ) -> Tensor:
+        _faults.remember(ctx)
         ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank = dim, scale, group_name, world, rank
         # tensor_split's pieces unless given (a DTensor's: torch.chunk's); longest first either way
         sizes = tensor_split_sizes(x.shape[dim], world) if sizes is None else sizes
@@ -103,6 +105,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         rank: int,
         strategy: str,
     ) -> Tensor:
+        _faults.remember(ctx)
         xm = wire(x).movedim(dim, 0)
         y = unwire(_prims.gather_rows(xm, sizes, strategy, group_name, world, rank, stats), x.dtype)
         y = y if dim == 0 else y.movedim(0, dim).contiguous()
@@ -117,6 +120,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         return _scaled(piece, ctx.scale, ctx.world).contiguous(), *[None] * 8
 
 
+@public_op("split_forward_gather_backward")
 def split_forward_gather_backward(
     x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
 ) -> Tensor:
@@ -162,6 +166,7 @@ def split_forward_gather_backward(
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank, None)
 
 
+@public_op("gather_forward_split_backward")
 def gather_forward_split_backward(
     x: Tensor,
     group: GroupLike,

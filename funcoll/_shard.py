@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 from . import _prims
 from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
 from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
+from ._faults import public_op
 from ._group import Group, mesh_dim_index, resolve_group
 from ._header import check_agreement, exchange, host_sizes
 from ._wire import unwire, wire
@@ -94,6 +95,7 @@ def _placements(
     return out
 
 
+@public_op("from_ragged")
 def from_ragged(
     x: Tensor,
     dim: int = 0,
@@ -181,6 +183,7 @@ def from_ragged(
     return y, sizes
 
 
+@public_op("to_ragged")
 def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | None = None) -> Tensor:
     """Give every rank ``sizes[rank]`` rows of a ``Shard(d)`` DTensor, in global order: from_ragged's inverse.
 

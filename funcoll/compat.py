@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _even, _ragged, _region
+from ._faults import public_op
 from ._group import GroupLike, resolve_group
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 
+@public_op("compat.gather")
 def gather(tensor: Tensor, dim: int = 0, dst: int | None = None) -> Tensor | None:
     """Ragged gather along `dim` to every rank (``dst=None``) or to rank `dst` alone.
 
@@ -74,6 +76,7 @@ def gather(tensor: Tensor, dim: int = 0, dst: int | None = None) -> Tensor | Non
     return _ragged.gather(tensor, dim, dst)
 
 
+@public_op("compat.all_gather")
 def all_gather(q: Tensor, ws: int, device: torch.device | str | None) -> list[Tensor]:
     """Gather tensors of different lengths along dim 0 into a list, one per rank.
 
@@ -91,6 +94,7 @@ def all_gather(q: Tensor, ws: int, device: torch.device | str | None) -> list[Te
     return _ragged.all_gather_list(q, 0)
 
 
+@public_op("compat.all_gather_nd")
 def all_gather_nd(tensor: Tensor) -> list[Tensor]:
     """Gather tensors of different lengths along dim 0 (any number of other dims) into a list.
 
@@ -105,11 +109,13 @@ def all_gather_nd(tensor: Tensor) -> list[Tensor]:
     return _ragged.all_gather_list(tensor, 0)
 
 
+@public_op("compat.all_to_all")
 def all_to_all(input_: Tensor, process_group: GroupLike, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
     """OpenSora's ``all_to_all``: :func:`funcoll.all_to_all` with its argument names."""
     return _even.all_to_all(input_, process_group, scatter_dim, gather_dim)
 
 
+@public_op("compat.split_forward_gather_backward")
 def split_forward_gather_backward(
     input_: Tensor, process_group: GroupLike, dim: int, grad_scale: _region.GradScale = 1.0
 ) -> Tensor:
@@ -117,6 +123,7 @@ def split_forward_gather_backward(
     return _region.split_forward_gather_backward(input_, process_group, dim, grad_scale)
 
 
+@public_op("compat.gather_forward_split_backward")
 def gather_forward_split_backward(
     input_: Tensor, process_group: GroupLike, dim: int, grad_scale: _region.GradScale = None
 ) -> Tensor:
@@ -134,6 +141,7 @@ class _Completed:
         return True
 
 
+@public_op("compat.all_gather_into_tensor")
 def all_gather_into_tensor(
     output_tensor: Tensor, input_tensor: Tensor, group: GroupLike = None, async_op: bool = False
 ) -> _Completed | None:

@@ -140,6 +140,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 180.0,
     backend: str = "gloo",
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on `world` processes and return the results in rank order.
 
@@ -149,6 +150,10 @@ def run_ranks(
         args: extra arguments passed to every rank (picklable).
         timeout: seconds the whole run may take, start-up included.
         backend: the torch.distributed backend; gloo runs on CPU.
+        pg_timeout: the process group's timeout in seconds (default: `timeout`):
+            how long a collective waits for a rank that does not call it. Below
+            `timeout`, a rank that stays away makes its peers raise (gloo: "Timed
+            out waiting") before the run as a whole times out.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results travel with ``torch.save``).
@@ -169,7 +174,18 @@ def run_ranks(
     os.unlink(store_path)
     procs = [
         ctx.Process(
-            target=_worker, args=(fn, r, world, store_path, results, args, backend, timeout), daemon=True
+            target=_worker,
+            args=(
+                fn,
+                r,
+                world,
+                store_path,
+                results,
+                args,
+                backend,
+                timeout if pg_timeout is None else pg_timeout,
+            ),
+            daemon=True,
         )
         for r in range(world)
     ]

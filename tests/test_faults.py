@@ -1,0 +1,177 @@
+"""A rank that raises, dies or stays away ends every other rank in a clear error, in bounded time.
+
+Each case runs real gloo ranks (``funcoll.testing.run_ranks``) with a short
+process-group timeout. Rank 1 is the faulty one: it raises before the op, exits
+(``os._exit``) before it or in the middle of it, or never calls it. Rank 0 (and
+rank 2 at world 3) calls the op and must fail, not hang:
+
+* in eager code its error names funcoll's op and the step that failed (the size
+  exchange of a ragged op, or its data collective), and keeps the backend's
+  message and type;
+* no collective is left registered in c10d's work registry after the failure
+  (what would make c10d warn of "unwaited collective calls" at exit);
+* inside a compiled step the backend's own error surfaces from the step, within
+  the same bound (nothing in generated code can name funcoll's op: docs/errors.md).
+
+The fault in the middle of an op is injected by a dispatch mode on rank 1 that
+lets the first `n` functional collectives of the op through and exits the process
+at the next one: the collectives themselves are real.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funcoll
+from funcoll.testing import RankError, run_ranks
+
+PG_TIMEOUT_S = 3.0  # the process group's timeout: what a rank that stays away costs
+BOUND_S = 40.0  # the whole run: start-up, the timeout, compile time and run_ranks' own grace
+
+
+class _ExitAtCollective(TorchDispatchMode):
+    """Exit the process (code 7) when the op issues its (`after` + 1)-th functional collective."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.left = after
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] != "wait_tensor":
+            if self.left == 0:
+                os._exit(7)
+            self.left -= 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ragged(rank: int) -> torch.Tensor:
+    return torch.arange(3.0 * (rank + 1)).view(rank + 1, 3)
+
+
+OPS: dict[str, Callable[[int, int], Any]] = {
+    "all_gather": lambda rank, world: funcoll.all_gather(torch.ones(2, 3)),
+    "all_reduce": lambda rank, world: funcoll.all_reduce(torch.ones(4)),
+    "gather": lambda rank, world: funcoll.gather(_ragged(rank)),
+    "all_to_all_v": lambda rank, world: funcoll.all_to_all_v(_ragged(rank), [rank + 1] + [0] * (world - 1)),
+    "gather_padded": lambda rank, world: funcoll.gather_padded(torch.ones(4, 2), rank + 1),
+}
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return funcoll.gather(x * 2) + 1
+
+
+class Survivor(RuntimeError):
+    """What a healthy rank raises after its op failed: the failure's timing and what it left behind."""
+
+
+def _body(rank: int, world: int, op: str, fault: str) -> None:
+    dist.barrier()  # every rank connected: the fault strikes in the op, not in gloo's start-up
+    if rank == 1:
+        if fault == "raises":
+            raise ValueError("rank 1 fails before the op")
+        if fault == "exits":
+            os._exit(3)
+        if fault == "stays_away":
+            time.sleep(PG_TIMEOUT_S + 2.0)
+            raise ValueError("rank 1 never called the op")
+    call: Callable[[], Any]
+    if op == "compiled":  # a compiled step that gathers; rank 1 dies before it
+        if rank == 1:
+            os._exit(3)
+        step = torch.compile(_step, fullgraph=True, backend="aot_eager")
+        x = funcoll.mark_ragged(_ragged(rank), 0)
+        call = lambda: step(x)  # noqa: E731
+    elif op == "backward":  # rank 1 dies between the forward and the backward
+        x = _ragged(rank).requires_grad_()
+        y = funcoll.gather(x)
+        if rank == 1:
+            os._exit(3)
+        call = lambda: y.sum().backward()  # noqa: E731
+    else:
+        call = lambda: OPS[op](rank, world)  # noqa: E731
+    if rank == 1 and fault.startswith("exits_after_"):
+        with _ExitAtCollective(int(fault.removeprefix("exits_after_"))):
+            call()
+        raise AssertionError("rank 1 should have exited in the op")
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as e:
+        left = torch._C._distributed_c10d._get_work_registry_size()
+        raise Survivor(f"survivor after {time.monotonic() - start:.1f}s, in flight {left}") from e
+    raise AssertionError(f"rank {rank}: the op returned although rank 1 failed")
+
+
+def _run(op: str, fault: str, world: int = 2) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_body, world, op, fault, timeout=BOUND_S, pg_timeout=PG_TIMEOUT_S)
+    return str(info.value), time.monotonic() - start
+
+
+def _survivors(message: str, world: int) -> dict[int, str]:
+    """Each healthy rank's report (its traceback, the backend's error and funcoll's), by rank."""
+    parts = re.split(r"^rank (\d+) of \d+ raised:$", message, flags=re.M)
+    reports = {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+    healthy = [r for r in range(world) if r != 1]
+    missing = [r for r in healthy if r not in reports or "Survivor: survivor after" not in reports[r]]
+    assert not missing, f"ranks {missing} did not fail with their op's error:\n{message}"
+    for r in healthy:
+        assert "in flight 0" in reports[r], f"rank {r} left collectives registered:\n{reports[r]}"
+    return {r: reports[r] for r in healthy}
+
+
+def _funcoll_error(report: str) -> str:
+    found = re.findall(r"^(?:RuntimeError|DistBackendError): (funcoll\..*)$", report, flags=re.M)
+    assert found, f"no funcoll-named error:\n{report}"
+    return found[0]
+
+
+CASES = [
+    ("all_gather", "raises", "funcoll.all_gather: the all_gather in the cross-rank check on group"),
+    ("all_gather", "exits_after_1", "funcoll.all_gather: the all_gather on group"),
+    ("all_reduce", "exits_after_1", "funcoll.all_reduce: the all_reduce on group"),
+    ("gather", "exits", "funcoll.gather: the all_gather in the size exchange on group"),
+    ("gather", "stays_away", "funcoll.gather: the all_gather in the size exchange on group"),
+    ("gather", "exits_after_1", "funcoll.gather: the all_to_all on group"),
+    ("all_to_all_v", "exits_after_1", "funcoll.all_to_all_v: the all_to_all on group"),
+    ("gather_padded", "raises", "funcoll.gather_padded: the all_gather in the counts exchange on group"),
+    ("backward", "none", "funcoll.gather (backward): the all_to_all on group"),
+]
+
+
+@pytest.mark.parametrize(("op", "fault", "names"), CASES, ids=[f"{o}-{f}" for o, f, _ in CASES])
+def test_eager_op_fails_naming_funcoll_op(op: str, fault: str, names: str) -> None:
+    message, took = _run(op, fault)
+    assert took < BOUND_S, f"the failure took {took:.0f}s"
+    error = _funcoll_error(_survivors(message, 2)[0])
+    assert error.startswith(names) and "The backend said: " in error, error
+    if fault == "stays_away":
+        assert "Timed out" in error, error
+    if fault.startswith("exits"):
+        assert "rank 1 of 2 died without a result (exit code " in message, message
+
+
+def test_every_healthy_rank_fails_at_world_3() -> None:
+    message, took = _run("gather", "exits_after_1", world=3)
+    assert took < BOUND_S
+    for r, report in _survivors(message, 3).items():
+        assert _funcoll_error(report).startswith("funcoll.gather: the all_to_all on group"), r
+
+
+def test_compiled_step_fails_with_the_backends_error() -> None:
+    message, took = _run("compiled", "none")
+    assert took < BOUND_S, f"the failure took {took:.0f}s"
+    report = _survivors(message, 2)[0]
+    assert "Connection" in report or "Timed out" in report, report
+    assert "rank 1 of 2 died without a result (exit code 3)" in message
