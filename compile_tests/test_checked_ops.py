@@ -6,7 +6,9 @@ funcoll ties to it, so the graph must be seen to keep it. On 2 gloo ranks each e
 backend that records its forward graph (and on inductor for all_gather): ranks that
 agree get what the unchecked eager op gives, and the graph holds one more
 all_gather and the host read; ranks that disagree raise the same ``ValueError``
-as eager, on every rank.
+as eager, on every rank. The static ops, checked, read their counts header on the
+host (``funcoll::check_counts``) instead of asserting on the device, and raise the
+same ``ValueError`` compiled as eager.
 """
 
 from __future__ import annotations
@@ -40,7 +42,29 @@ AGREEING: dict[str, Callable[[int], Any]] = {
     "broadcast": lambda r: funcoll.broadcast(_z(r, 3), src=1),
     "split_forward_gather_backward": lambda r: funcoll.split_forward_gather_backward(_z(0, 5), None, 0),
 }
-MISMATCH: Callable[[int], Any] = lambda r: funcoll.all_gather(_z(r, 2 + r, 3))  # noqa: E731
+# The static ops with checks on: the counts header goes first and is read on the host
+# (``funcoll::check_counts``) instead of a device-side assert.
+STATIC: dict[str, Callable[[int], Any]] = {
+    "gather_padded": lambda r: funcoll.gather_padded(_z(r, 4, 3), torch.tensor(r + 1)),
+    "all_to_all_padded": lambda r: funcoll.all_to_all_padded(_z(r, 4, 3), torch.tensor([1, 2 - r])),
+}
+# Ranks that disagree, each way a checked op finds out: the even ops' header, the
+# static ops' counts (rank 1's above the bound) and shapes.
+MISMATCHES: dict[str, Callable[[int], Any]] = {
+    "all_gather": lambda r: funcoll.all_gather(_z(r, 2 + r, 3)),
+    "gather_padded-counts": lambda r: funcoll.gather_padded(_z(r, 4, 3), torch.tensor(1 + 4 * r)),
+    "gather_padded-shape": lambda r: funcoll.gather_padded(_z(r, 4, 3 + r), torch.tensor(1)),
+    "all_to_all_padded-counts": lambda r: funcoll.all_to_all_padded(
+        _z(r, 4, 3), torch.tensor([1, 1 + 2 * r])
+    ),
+}
+EAGER_ERRORS = {
+    "all_gather": "funcoll.all_gather: ranks disagree on the shape of `x`",
+    "gather_padded-counts": "funcoll.gather_padded: rank 1's `length` 5 is outside [0, 4] = [0, x.shape[dim]]",
+    "gather_padded-shape": "funcoll.gather_padded: ranks disagree on `x` (rank 0: 2-d float32 (4, 3), dim 0; "
+    "rank 1: 2-d float32 (4, 4), dim 0)",
+    "all_to_all_padded-counts": "funcoll.all_to_all_padded: rank 1's `send_sizes` [1, 3] is outside [0, 2]",
+}
 
 
 def _error(fn: Callable[[], Any]) -> str:
@@ -56,15 +80,16 @@ def _error(fn: Callable[[], Any]) -> str:
 def _one(rank: int, world: int, key: str) -> dict[str, Any]:
     torch._dynamo.reset()
     out: dict[str, Any] = {}
-    if key == "mismatch":
+    if key.startswith("mismatch:"):
+        bad = MISMATCHES[key.removeprefix("mismatch:")]
         with funcoll.set_checks(True):
-            out["eager"] = _error(lambda: MISMATCH(rank))
+            out["eager"] = _error(lambda: bad(rank))
             for backend in ("aot_eager", "inductor"):
                 torch._dynamo.reset()
-                fn = torch.compile(lambda: MISMATCH(rank), fullgraph=True, backend=backend)
+                fn = torch.compile(lambda: bad(rank), fullgraph=True, backend=backend)
                 out[backend] = _error(fn)
         return out
-    call = AGREEING[key]
+    call = AGREEING[key] if key in AGREEING else STATIC[key]
     out["unchecked"] = call(rank)
     graphs: dict[str, Any] = {}
     with funcoll.set_checks(True):
@@ -78,7 +103,7 @@ def _one(rank: int, world: int, key: str) -> dict[str, Any]:
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    return run_batch(_one, WORLD, [*AGREEING, "mismatch"], timeout=300)
+    return run_batch(_one, WORLD, [*AGREEING, *STATIC, *(f"mismatch:{k}" for k in MISMATCHES)], timeout=300)
 
 
 @pytest.mark.parametrize("op", list(AGREEING))
@@ -93,9 +118,20 @@ def test_checked_op_compiles_with_its_check_and_matches_unchecked(op: str) -> No
         assert len(reads) == 1, f"rank {rank}: the header read is not in the graph"
 
 
-def test_checked_mismatch_raises_in_compiled_code_as_in_eager() -> None:
+@pytest.mark.parametrize("op", list(STATIC))
+def test_checked_static_op_reads_its_counts_on_the_host(op: str) -> None:
     for rank, res in enumerate(_results()):
-        got = res["mismatch"]
-        assert got["eager"].startswith("funcoll.all_gather: ranks disagree on the shape of `x`"), got["eager"]
+        got = res[op]
+        torch.testing.assert_close(got["checked"], got["unchecked"], rtol=0, atol=0)
+        calls = [c["op"] for c in got["graph"]]
+        assert sum(c.startswith("funcoll.check_counts") for c in calls) == 1, f"rank {rank}: {calls}"
+        assert not any("assert_async" in c for c in calls), f"rank {rank}: a device assert is left: {calls}"
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_checked_mismatch_raises_in_compiled_code_as_in_eager(case: str) -> None:
+    for rank, res in enumerate(_results()):
+        got = res[f"mismatch:{case}"]
+        assert got["eager"].startswith(EAGER_ERRORS[case]), got["eager"]
         for backend in ("aot_eager", "inductor"):
             assert got[backend] == got["eager"], f"rank {rank} {backend}: {got[backend]}"

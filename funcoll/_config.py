@@ -11,10 +11,13 @@ The ragged ops exchange a header whenever they need the sizes, and it doubles
 as that check. When the caller passes the sizes (``sizes=`` on the gathers and
 the ragged reduce_scatter) nothing needs exchanging: checks on send the header
 anyway, so that ranks whose sizes or shapes differ raise (all_to_all_v's
-``recv_sizes`` are not checked across ranks either way). The static ops (gather_padded, all_to_all_padded) send
-their counts header in the data's own collective and check it on the device;
-checks on send it first, on its own, so that ranks whose shapes differ fail
-that check before any data moves.
+``recv_sizes`` are not checked across ranks either way). The static ops
+(gather_padded, all_to_all_padded) send their counts header in the data's own
+collective and check it with a device-side assert, which on CUDA surfaces
+asynchronously without funcoll's words; checks on send it first, on its own,
+and read it on the host (one device-to-host sync per call), so that bad counts
+and ranks whose shapes differ raise funcoll's ``ValueError`` on every rank,
+naming the rank and the value, before any data moves.
 
 Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
 compiled region reads the switch when it is traced and is traced again when it

@@ -23,8 +23,9 @@ from . import _prims
 from ._checks import IntLike, check_dim, check_sizes, check_tensor
 from ._config import checks_enabled
 from ._dtensor import refuse_dtensor
+from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
-from ._header import _dtype_code, _shape_columns
+from ._header import DTYPES, MAX_DIMS, _dtype_code, _shape_columns
 from ._rows import pack
 from ._spec import spec
 from ._wire import unwire, wire
@@ -93,19 +94,70 @@ def _check_table(opname: str, table: Tensor, n: int, bound: IntLike, x: Tensor, 
     )
 
 
+_ARG = {"gather_padded": "length", "all_to_all_padded": "send_sizes"}  # the counts' argument
+
+
+def _describe_row(facts: list[int]) -> str:
+    """A header row's facts (ndim, dtype, dim, shape) as ``2-d float32 (4, 3), dim 0``."""
+    ndim, code, d, *shape = facts
+    dtype = str(DTYPES[code]).removeprefix("torch.") if 0 <= code < len(DTYPES) else "other dtype"
+    return f"{ndim}-d {dtype} {tuple(shape[: min(ndim, MAX_DIMS)])}, dim {d}"
+
+
+def _check_on_host(opname: str, rows: list[list[int]], n: int, bound: int) -> None:
+    """Raise funcoll's ValueError, the same on every rank, if the gathered header `rows` break the contract."""
+    facts = [row[n:] for row in rows]
+    if any(f != facts[0] for f in facts):
+        each = "; ".join(f"rank {r}: {_describe_row(f)}" for r, f in enumerate(facts))
+        raise ValueError(
+            f"funcoll.{opname}: ranks disagree on `x` ({each}): every rank must pass the same "
+            f"shape, dtype and dim"
+        )
+    for r, row in enumerate(rows):
+        counts = row[:n]
+        if any(c < 0 or c > bound for c in counts):
+            shown = counts[0] if n == 1 else counts
+            raise ValueError(
+                f"funcoll.{opname}: rank {r}'s `{_ARG[opname]}` {shown} is outside [0, {bound}] = "
+                f"[0, {spec(opname).limit}]"
+            )
+
+
+@torch.library.custom_op("funcoll::check_counts", mutates_args=())
+def _check_counts_op(table: Tensor, opname: str, n: int, bound: int) -> Tensor:
+    rows = table.tolist()  # device-to-host sync: the price of funcoll.set_checks(True) on these ops
+    _check_on_host(opname, rows, n, bound)
+    return torch.empty((len(rows), 0), dtype=torch.uint8)
+
+
+@_check_counts_op.register_fake
+def _check_counts_fake(table: Tensor, opname: str, n: int, bound: int) -> Tensor:
+    # An unbacked length that the caller checks: the runtime assert keeps the op in the graph.
+    return torch.empty((torch.library.get_ctx().new_dynamic_size(), 0), dtype=torch.uint8)
+
+
 def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g: Group) -> Tensor:
     """All-gather every rank's header on its own, and check it, before any data moves.
 
     Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
-    ``len(counts)`` columns every rank's counts (see :func:`_header`).
+    ``len(counts)`` columns every rank's counts (see :func:`_header`). With checks
+    on the table is read on the host and a broken contract raises funcoll's
+    ``ValueError`` on every rank, in eager and compiled code alike; with checks off
+    (one rank, or empty rows) it is a device-side assert.
     """
     header = _header(x, d, counts)
     table = (
         header.view(1, -1)
         if g.is_single
-        else _prims._all_gather_impl(header, g.name, g.size).view(g.size, -1)
+        else _prims._all_gather_impl(header, g.name, g.size, "the counts exchange").view(g.size, -1)
     )
-    _check_table(opname, table, counts.numel(), bound, x, d)
+    if checks_enabled():
+        checked = torch.ops.funcoll.check_counts(
+            table, opname.removeprefix("funcoll."), counts.numel(), bound
+        )
+        torch._check(checked.shape[0] == g.size)
+    else:
+        _check_table(opname, table, counts.numel(), bound, x, d)
     return table
 
 
@@ -190,6 +242,7 @@ def _read_header(rows: Tensor, length: int) -> Tensor:
     return value
 
 
+@public_op("gather_padded")
 def gather_padded(
     x: Tensor, length: Tensor | int, dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
@@ -230,9 +283,11 @@ def gather_padded(
         the all_gather, before any row is read: a RuntimeError (it does not wait
         for the device on CUDA, so it surfaces asynchronously there). Ranks whose
         bound, shape or dtype differ send blocks of different sizes, which the
-        backend refuses as for the even ops; with ``funcoll.set_checks(True)``
-        the header travels first, on its own, and they fail that assert before
-        any data moves.
+        backend refuses as for the even ops. With ``funcoll.set_checks(True)``
+        the header travels first, on its own, and is read on the host (one
+        device-to-host sync): every rank raises the same ``ValueError`` naming
+        the rank and the value at fault, before any data moves, in compiled code
+        as in eager (docs/errors.md).
 
     Backward: the adjoint. Each rank puts its gradient's rows back in the padded
     layout (rank i's rows at ``[i * B, i * B + sizes[i])``, zeros on padding) and a
@@ -266,6 +321,7 @@ def gather_padded(
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
+@public_op("all_to_all_padded")
 def all_to_all_padded(
     x: Tensor, send_sizes: Tensor | Sequence[int], dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
@@ -306,7 +362,9 @@ def all_to_all_padded(
         length or type, an int outside ``[0, C]``. A tensor entry outside it
         fails a device-side assert (``torch._assert_async``) on every rank after
         the all_to_all, before any row is read (asynchronously on CUDA). Ranks
-        whose ``C``, shape or dtype differ: as for :func:`gather_padded`.
+        whose ``C``, shape or dtype differ, and checked mode
+        (``funcoll.set_checks(True)``: a ``ValueError`` from a host read instead
+        of the assert): as for :func:`gather_padded`.
 
     Backward: the adjoint. Each rank puts its gradient's rows back in one block of
     ``C`` rows per source rank (zeros on padding) and an all_to_all returns every

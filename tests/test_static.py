@@ -244,14 +244,27 @@ def _disagreeing(rank: int, world: int, kind: str, checked: bool = True) -> str:
             x = torch.zeros(4, 3, dtype=torch.float64)
     try:
         funcoll.gather_padded(x, n)
-    except RuntimeError as e:
-        return str(e)
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
-# Unchecked, the counts travel with the data and are checked after it moved; a rank
+# Unchecked, the counts travel with the data and are checked after it moved, by a
+# device-side assert (on CPU a RuntimeError with funcoll's general message); a rank
 # whose shape differs then sends a block of another size, which the backend
 # refuses (gloo aborts), as for the even ops: those kinds run checked only.
+# Checked, the header goes first and is read on the host: a ValueError naming the
+# rank and the value, the same on every rank.
+CHECKED_GATHER = {
+    "length-above-bound": "ValueError: funcoll.gather_padded: rank 1's `length` 5 is outside [0, 4] = "
+    "[0, x.shape[dim]]",
+    "length-negative": "ValueError: funcoll.gather_padded: rank 1's `length` -2 is outside [0, 4]",
+    "bound": "ValueError: funcoll.gather_padded: ranks disagree on `x` (rank 0: 2-d float32 (4, 3), dim 0; "
+    "rank 1: 2-d float32 (5, 3), dim 0",
+    "dtype": "ValueError: funcoll.gather_padded: ranks disagree on `x` (rank 0: 2-d float32 (4, 3), dim 0; "
+    "rank 1: 2-d float64 (4, 3), dim 0",
+}
+UNCHECKED = "RuntimeError: funcoll.{op}: every rank's row counts must lie in [0, {limit}]"
 DISAGREEING = [
     *(
         pytest.param(k, c, id=f"{k}-{h}")
@@ -265,11 +278,9 @@ DISAGREEING = [
 @pytest.mark.parametrize("kind, checked", DISAGREEING)
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_all_raise(world: int, kind: str, checked: bool) -> None:
+    want = CHECKED_GATHER[kind] if checked else UNCHECKED.format(op=GATHER, limit="x.shape[dim]")
     for rank, msg in enumerate(run_ranks(_disagreeing, world, kind, checked, timeout=TIMEOUT_S)):
-        assert "funcoll.gather_padded: every rank's row counts must lie in [0, x.shape[dim]]" in msg, (
-            rank,
-            msg,
-        )
+        assert msg.startswith(want), (rank, msg, want)
 
 
 def test_all_to_all_padded_example_from_the_docstring() -> None:
@@ -342,8 +353,8 @@ def _a2a_disagreeing(rank: int, world: int, kind: str, checked: bool = True) -> 
             x = torch.zeros(3 * world, 3)
     try:
         funcoll.all_to_all_padded(x, send)
-    except RuntimeError as e:
-        return str(e)
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
@@ -354,10 +365,12 @@ def _a2a_disagreeing(rank: int, world: int, kind: str, checked: bool = True) -> 
 )  # fmt: skip
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_padded_ranks_that_disagree_all_raise(world: int, kind: str, checked: bool) -> None:
+    if not checked:
+        want = UNCHECKED.format(op=A2A, limit="x.shape[dim] // world")
+    elif kind == "size-above-capacity":
+        sizes = [0] * (world - 1) + [3]
+        want = f"ValueError: funcoll.all_to_all_padded: rank 1's `send_sizes` {sizes} is outside [0, 2]"
+    else:
+        want = "ValueError: funcoll.all_to_all_padded: ranks disagree on `x` (rank 0: 2-d float32"
     for rank, msg in enumerate(run_ranks(_a2a_disagreeing, world, kind, checked, timeout=TIMEOUT_S)):
-        assert (
-            "funcoll.all_to_all_padded: every rank's row counts must lie in [0, x.shape[dim] // world]" in msg
-        ), (
-            rank,
-            msg,
-        )
+        assert msg.startswith(want), (rank, msg, want)
