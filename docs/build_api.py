@@ -12,12 +12,20 @@ from pathlib import Path
 
 import funcoll
 import funcoll.compat
+import funcoll.lax
 import funcoll.testing
 from funcoll._spec import FAMILIES, SPECS
 
+# Public names that are not ops (no spec), shown after the ops of a section.
+_EXTRA = {"JAX's shard_map": ["P"]}
+
 # Every public op in the section its spec names (funcoll/_spec.py), then the submodules.
 SECTIONS = [
-    *((family, funcoll, [s.name for s in SPECS if s.family == family]) for family in FAMILIES),
+    *(
+        (family, funcoll, [s.name for s in SPECS if s.family == family] + _EXTRA.get(family, []))
+        for family in FAMILIES
+    ),
+    ("funcoll.lax", funcoll.lax, funcoll.lax.__all__),
     ("funcoll.compat", funcoll.compat, funcoll.compat.__all__),
     ("funcoll.testing", funcoll.testing, ["run_ranks"]),
 ]

@@ -5,6 +5,7 @@ ragged along any dim, and traceable by ``torch.compile(fullgraph=True)``. Built 
 the ``torch.ops._c10d_functional`` ops.
 """
 
+from . import lax as lax  # the submodule: funcoll.lax.psum after `import funcoll`
 from ._compile import mark_ragged
 from ._config import checks_enabled, set_checks
 from ._even import (
@@ -21,6 +22,7 @@ from ._group import Group, GroupLike, axis_index, axis_size
 from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather
 from ._region import gather_forward_split_backward, split_forward_gather_backward
 from ._shard import from_ragged, to_ragged
+from ._shard_map import P, shard_map
 from ._static import all_to_all_padded, gather_padded
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Group",
     "GroupLike",
+    "P",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_list",
@@ -48,6 +51,7 @@ __all__ = [
     "ppermute",
     "reduce_scatter",
     "set_checks",
+    "shard_map",
     "split_forward_gather_backward",
     "split_sizes",
     "to_ragged",

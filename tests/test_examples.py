@@ -49,10 +49,12 @@ from torch import Tensor
 
 import funcoll
 import funcoll.compat
+import funcoll.lax
 
 WORLD = 2
 TIMEOUT_S = 60.0
-OWNERS: dict[str, ModuleType] = {"": funcoll, "compat.": funcoll.compat}  # example id prefix -> module
+# example id prefix -> module; funcoll.lax's examples run with `mesh` (one axis, "i") bound
+OWNERS: dict[str, ModuleType] = {"": funcoll, "compat.": funcoll.compat, "lax.": funcoll.lax}
 
 # (example id, line as written) -> why the line is not checked
 SKIPPED: dict[tuple[str, str], str] = {
@@ -530,10 +532,11 @@ def _namespace(ex_id: str) -> dict[str, Any]:
 
 @functools.cache
 def _mesh() -> Any:
-    """The 1-D DeviceMesh over the example's ranks that DTensor examples pass as ``group=mesh``."""
+    """The 1-D DeviceMesh over the example's ranks that DTensor examples pass as ``group=mesh``;
+    its axis is called "i" for funcoll.lax and shard_map."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (WORLD,))
+    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("i",))
 
 
 def run_example(rank: int, ex: Example) -> list[dict[str, Any]]:
@@ -573,8 +576,15 @@ def run_example(rank: int, ex: Example) -> list[dict[str, Any]]:
 
 def run_all(rank: int, world: int) -> dict[str, list[dict[str, Any]]]:
     assert world == WORLD
+    out = {}
     with funcoll.set_checks(True):  # as tests/conftest.py sets it for every test
-        return {ex_id: run_example(rank, ex) for ex_id, ex in EXAMPLES.items()}
+        for ex_id, ex in EXAMPLES.items():
+            if ex_id.startswith("lax."):  # funcoll.lax names the axis; bind the mesh that has it
+                with funcoll.lax.mesh(_mesh()):
+                    out[ex_id] = run_example(rank, ex)
+            else:
+                out[ex_id] = run_example(rank, ex)
+    return out
 
 
 batch = once_per_world(run_all, TIMEOUT_S)

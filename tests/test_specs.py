@@ -19,7 +19,7 @@ from funcoll._header import HEADERS
 from funcoll._spec import CASES, FAMILIES, SPECS, OpSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_OPS = {"Group", "GroupLike"}  # types, not ops
+NOT_OPS = {"Group", "GroupLike", "P"}  # types, not ops
 PUBLIC = sorted(n for n in funcoll.__all__ if n not in NOT_OPS)
 
 
@@ -65,3 +65,23 @@ def test_spec_names_a_docs_entry_a_compile_test_and_reference_tests(spec: OpSpec
         path = ROOT / module
         assert path.is_file(), f"{spec.name}: {module} does not exist"
         assert spec.name in path.read_text(), f"{spec.name}: {module} never mentions it"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [s for s in SPECS if s.collectives is not None and s.family != "Groups and sizes"],
+    ids=lambda s: s.name,
+)
+def test_every_communicating_op_names_itself_in_collective_failures(spec: OpSpec) -> None:
+    """``@public_op`` (funcoll/_faults.py): a collective that fails in eager code names this op."""
+    fn = getattr(funcoll, spec.name)
+    assert getattr(fn, "funcoll_op", None) == spec.name, (
+        f"funcoll.{spec.name} is not decorated with @public_op({spec.name!r})"
+    )
+
+
+def test_every_compat_helper_names_itself_in_collective_failures() -> None:
+    from funcoll import compat
+
+    for name in compat.__all__:
+        assert getattr(getattr(compat, name), "funcoll_op", None) == f"compat.{name}", name

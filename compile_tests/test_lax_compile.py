@@ -1,0 +1,241 @@
+"""funcoll.lax and funcoll.shard_map under ``torch.compile(fullgraph=True)``, on 4 gloo ranks (2x2 mesh).
+
+* Every ``funcoll.lax`` collective, over one axis and over the tuple ``("dp", "tp")``
+  (a flattened sub-mesh), compiled with ``fullgraph=True`` and the mesh bound by
+  ``with funcoll.lax.mesh(m):`` inside the compiled function: no graph break
+  (``torch._dynamo.utils.counters["graph_break"]`` stays empty), and values and
+  float64 gradients equal eager. ``ragged_all_to_all`` compiles with its static
+  shapes (no host read, so nothing to break on).
+* Two JAX programs ported line for line, written with ``funcoll.lax`` inside
+  ``funcoll.shard_map`` over the ("dp", "tp") mesh, compiled fullgraph, equal to
+  eager and to a single-process computation of the global function (outputs and
+  every input's gradient, float64):
+
+  - a Megatron MLP: batch over "dp", the hidden dim over "tp" (``W1`` column-, ``W2``
+    row-sharded), ``psum`` over "tp" of the partial products;
+  - a ring-attention step: the sequence over "tp", keys and values passed around
+    the ring with ``ppermute`` (``axis_size - 1`` hops), softmax over the whole
+    sequence, and the sequence-parallel ``all_gather`` / ``psum_scatter`` pair
+    around a per-token layer.
+
+One ``run_ranks`` call runs everything (aot_eager, as funcoll's other compile tests).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import funcoll
+import funcoll.lax as lax
+from funcoll import P
+from funcoll.testing import run_ranks
+
+WORLD = 4
+TIMEOUT_S = 240.0
+F64 = torch.float64
+B, S, D, H = 4, 8, 6, 8  # batch, sequence, model dim, hidden dim
+
+
+def _gen(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(abs(hash(repr(key))) % (1 << 31))
+
+
+def _rand(*shape: int, key: object) -> Tensor:
+    return torch.randn(*shape, dtype=F64, generator=_gen(key))
+
+
+# ------------------------------------------------------------------------------ lax ops
+def _ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]]:
+    """Name -> (function of a local tensor, its shape): every funcoll.lax collective."""
+    dt = ("dp", "tp")
+    return {
+        "psum-tp": (lambda x: lax.psum(x, "tp"), (3, 2)),
+        "psum-dp_tp": (lambda x: lax.psum(x, dt), (3, 2)),
+        "pmean-dp": (lambda x: lax.pmean(x, "dp"), (3,)),
+        "pmax-dp_tp": (lambda x: lax.pmax(x.detach(), dt) + x, (2, 2)),  # no gradient, as in JAX
+        "pmin-tp": (lambda x: lax.pmin(x.detach(), "tp") * x, (2, 2)),
+        "all_gather-tp": (lambda x: lax.all_gather(x, "tp", axis=1), (3, 2)),
+        "all_gather-dp_tp-tiled": (lambda x: lax.all_gather(x, dt, tiled=True), (2, 3)),
+        "psum_scatter-dp": (lambda x: lax.psum_scatter(x, "dp"), (2, 3)),
+        "psum_scatter-dp_tp-tiled": (
+            lambda x: lax.psum_scatter(x, dt, scatter_dimension=1, tiled=True),
+            (2, 8),
+        ),
+        "all_to_all-tp": (lambda x: lax.all_to_all(x, "tp", 0, 1), (2, 3)),
+        "all_to_all-dp_tp-tiled": (lambda x: lax.all_to_all(x, dt, 1, 0, tiled=True), (3, 4)),
+        "ppermute-dp_tp-ring": (lambda x: lax.ppermute(x, dt, [(i, (i + 1) % 4) for i in range(4)]), (2, 3)),
+        "pshuffle-tp": (lambda x: lax.pshuffle(x, "tp", [1, 0]), (3,)),
+        "axis_index-size": (lambda x: x * lax.axis_index(dt) + lax.axis_size("tp"), (2,)),
+        "ragged_all_to_all-dp_tp": (lambda x: _ragged(x, rank), (6, 2)),
+    }
+
+
+def _ragged(x: Tensor, rank: int) -> Tensor:
+    """Rank r sends rows [r % 2, r % 2 + 1) ... to every rank, written at offset r on the receiver."""
+    k = torch.arange(WORLD)
+    send = (k + rank) % 2 + 1  # 1 or 2 rows to each rank
+    recv = (rank + k) % 2 + 1  # what rank k sends to this one: (rank + k) % 2 + 1
+    in_off = torch.zeros(WORLD, dtype=torch.int64)
+    out_off = torch.full((WORLD,), 2 * rank)
+    out = torch.zeros(2 * WORLD, 2, dtype=x.dtype) + 0.5
+    return lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=("dp", "tp"))
+
+
+def _run(fn: Callable[[Tensor], Any], x: Tensor, w: Tensor) -> dict[str, Tensor]:
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    (y * w).sum().backward()
+    return {"y": y.detach(), "grad": x.grad}
+
+
+# ---------------------------------------------------------------------------- the ports
+def megatron_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    """JAX's shard_map MLP: x (B/dp, D), w1 (D, H/tp), w2 (H/tp, D) -> (B/dp, D)."""
+    h = torch.tanh(x @ w1)
+    return lax.psum(h @ w2, "tp")
+
+
+def mlp_reference(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    return torch.tanh(x @ w1) @ w2
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:
+    """One ring-attention step: (B/dp, S/tp, D) blocks; keys and values hop around the "tp" ring.
+
+    Then a sequence-parallel per-token layer: all_gather the sequence over "tp",
+    apply `w`, psum_scatter back (its backward is an all_gather, its transpose).
+    """
+    n = lax.axis_size("tp")
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    me = lax.axis_index("tp")
+    scores, values = [], []
+    for hop in range(n):
+        src = (me - hop) % n  # the block of keys this rank holds now
+        scores.append((src, torch.einsum("bsd,btd->bst", q, k) / D**0.5))
+        values.append((src, v))
+        if hop < n - 1:
+            k, v = lax.ppermute(k, "tp", ring), lax.ppermute(v, "tp", ring)
+    order = sorted(range(n), key=lambda h: scores[h][0])  # keys in global order
+    s = torch.cat([scores[h][1] for h in order], -1)
+    o = torch.einsum("bst,btd->bsd", torch.softmax(s, -1), torch.cat([values[h][1] for h in order], 1))
+    full = lax.all_gather(o, "tp", axis=1, tiled=True)  # (B/dp, S, D)
+    return lax.psum_scatter(torch.tanh(full @ w), "tp", scatter_dimension=1, tiled=True) / n
+
+
+def ring_reference(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:
+    o = torch.softmax(torch.einsum("bsd,btd->bst", q, k) / D**0.5, -1) @ v
+    return torch.tanh(o @ w)
+
+
+PORTS: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor], tuple[tuple[int, ...], ...], tuple[P, ...], P]] = {
+    "megatron_mlp": (megatron_mlp, mlp_reference, ((B, D), (D, H), (H, D)),
+                     (P("dp", None), P(None, "tp"), P("tp", None)), P("dp", None)),
+    "ring_attention": (ring_attention, ring_reference, ((B, S, D),) * 3 + ((D, D),),
+                       (P("dp", "tp"),) * 3 + (P(),), P("dp", "tp")),
+}  # fmt: skip
+
+
+def _port_inputs(name: str) -> list[Tensor]:
+    return [_rand(*shape, key=(name, i)) for i, shape in enumerate(PORTS[name][2])]
+
+
+def _port_weight(name: str, shape: tuple[int, ...]) -> Tensor:
+    return _rand(*shape, key=(name, "w"))
+
+
+# ---------------------------------------------------------------------------------- ranks
+def body(rank: int, world: int) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out: dict[str, Any] = {}
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64  # `bound` below is one code object for every op
+    counters.clear()
+    # compiled first, so that the flattened ("dp", "tp") group is created while tracing
+    for name, (fn, shape) in _ops(rank).items():
+        x, w = _rand(*shape, key=(name, "x", rank)), None
+
+        def bound(v: Tensor, fn: Callable[[Tensor], Any] = fn) -> Any:
+            with lax.mesh(m):
+                return fn(v)
+
+        try:
+            compiled = torch.compile(bound, fullgraph=True, backend="aot_eager")
+            y = compiled(x)
+            w = _rand(*y.shape, key=(name, "w", rank))
+            out[name] = {"compiled": _run(compiled, x, w), "eager": _run(bound, x, w)}
+        except Exception:  # noqa: BLE001 -- reported by the op's test
+            out[name] = {"error": traceback.format_exc(limit=-10)}
+    for name, (fn, _, _, in_specs, out_specs) in PORTS.items():
+        try:
+            mapped = funcoll.shard_map(fn, m, in_specs, out_specs)
+            runs = {}
+            for kind, f in (
+                ("eager", mapped),
+                ("compiled", torch.compile(mapped, fullgraph=True, backend="aot_eager")),
+            ):
+                inputs = [t.clone().requires_grad_() for t in _port_inputs(name)]
+                y = f(*inputs)
+                full = y.full_tensor()
+                (full * _port_weight(name, tuple(full.shape))).sum().backward()
+                runs[kind] = {"y": full.detach(), "placements": [str(p) for p in y.placements],
+                              "grads": [t.grad for t in inputs]}  # fmt: skip
+            out[name] = runs
+        except Exception:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc(limit=-10)}
+    out["graph_breaks"] = dict(counters["graph_break"])
+    return out
+
+
+_RESULTS: list[Any] = []
+
+
+def results() -> list[Any]:
+    if not _RESULTS:
+        _RESULTS.extend(run_ranks(body, WORLD, timeout=TIMEOUT_S))
+    return _RESULTS
+
+
+def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
+    assert "error" not in res[key], f"rank {rank}, {key}:\n{res[key]['error']}"
+    return res[key]
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_no_graph_break_on_any_rank() -> None:
+    for r, res in enumerate(results()):
+        assert res["graph_breaks"] == {}, f"rank {r}: {res['graph_breaks']}"
+
+
+@pytest.mark.parametrize("name", list(_ops(0)))
+def test_compiled_lax_op_equals_eager(name: str) -> None:
+    for r, res in enumerate(results()):
+        got = _ok(res, r, name)
+        torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"], rtol=0, atol=0)
+        torch.testing.assert_close(got["compiled"]["grad"], got["eager"]["grad"])
+
+
+@pytest.mark.parametrize("name", list(PORTS))
+def test_port_compiled_equals_eager_and_single_process(name: str) -> None:
+    _, ref, _, _, out_specs = PORTS[name]
+    inputs = [t.requires_grad_() for t in _port_inputs(name)]
+    want = ref(*inputs)
+    grads = torch.autograd.grad((want * _port_weight(name, tuple(want.shape))).sum(), inputs)
+    expected_placements = ["S(0)", "R"] if out_specs == P("dp", None) else ["S(0)", "S(1)"]
+    for r, res in enumerate(results()):
+        got = _ok(res, r, name)
+        for kind in ("eager", "compiled"):
+            where = f"rank {r} {kind}"
+            assert got[kind]["placements"] == expected_placements, where
+            torch.testing.assert_close(got[kind]["y"], want.detach(), msg=lambda m, at=where: f"{at}: {m}")
+            for i, (g, w) in enumerate(zip(got[kind]["grads"], grads, strict=True)):
+                torch.testing.assert_close(g, w, msg=lambda m, at=f"{where}, input {i}": f"{at}: {m}")
+        torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"])

@@ -1,0 +1,394 @@
+"""JAX's ``shard_map`` for PyTorch, and the mesh that ``funcoll.lax`` resolves axis names against.
+
+``funcoll.lax`` names the devices a collective runs over by a mesh axis
+(``psum(x, "tp")``), as JAX does. A name means something only against a mesh:
+the mesh of the enclosing :func:`shard_map`, or one bound with
+``with funcoll.lax.mesh(device_mesh):``. Both push it on one stack
+(:data:`_MESHES`); the innermost wins. A name resolves to the group of that mesh
+dim, ``(mesh, name)``, and a tuple of names to the group of the sub-mesh they
+span, flattened in the order given (``DeviceMesh._flatten``: JAX's index along
+``("dp", "tp")`` is ``dp_index * tp_size + tp_index``).
+
+:func:`shard_map` is built on DTensor: every input becomes a DTensor with the
+placements its spec names (``P("dp", None)`` -> ``Shard(0)`` on "dp",
+``Replicate()`` on every axis it does not mention), `f` runs on the local shards
+(``to_local``) with the mesh bound, and every output is wrapped back
+(``DTensor.from_local``) with the placements of its out spec. Gradients follow
+JAX's ``shard_map`` with ``check_vma=False``, where ``psum``'s transpose is
+``psum``: the cotangent of an output replicated over axes A enters `f` divided
+by the number of those replicas, and the local cotangent of an input
+replicated over axes A is summed over them (its gradient's placement there is
+``Partial("sum")``). With funcoll's ops, whose backwards are JAX's transposes,
+that gives every input the gradient of the one global function (docs/jax.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ._dtensor import contiguous_strides
+from ._group import GroupLike
+
+__all__ = [
+    "AxisName",
+    "P",
+    "axis_names",
+    "axis_sizes",
+    "current_mesh",
+    "mesh",
+    "prod",
+    "resolve_axes",
+    "shard_map",
+]
+
+AxisName = str | tuple[str, ...]
+
+# The meshes bound by shard_map and `funcoll.lax.mesh`, innermost last.
+_MESHES: list[DeviceMesh] = []
+
+
+class P(tuple):
+    """A partition spec, JAX's ``P``: one entry per tensor dim, naming the mesh axes that shard it.
+
+    An entry is None (the dim is not sharded), an axis name, or a tuple of axis
+    names (the dim is sharded over all of them, the first one major). Mesh axes
+    the spec does not mention replicate the tensor. Trailing dims the spec does
+    not reach are not sharded. ``P()`` is replicated on every axis.
+
+    Example::
+
+        P("dp", None)          # dim 0 over "dp", dim 1 whole: [Shard(0), Replicate()] on ("dp", "tp")
+        P(None, ("dp", "tp"))  # dim 1 over all 4 ranks of a 2x2 mesh: [Shard(1), Shard(1)]
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None) -> P:
+        return super().__new__(cls, entries)
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(map(repr, self)) + ")"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (P, tuple(self))
+
+
+class mesh:
+    """Bind `device_mesh` for ``funcoll.lax``'s axis names inside the ``with`` block.
+
+    Example::
+
+        with funcoll.lax.mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))):
+            y = funcoll.lax.psum(x, "tp")
+    """
+
+    def __init__(self, device_mesh: DeviceMesh) -> None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(
+                f"funcoll.lax.mesh: `device_mesh` must be a DeviceMesh, got {type(device_mesh).__name__}"
+            )
+        if not device_mesh.mesh_dim_names:
+            raise ValueError(
+                "funcoll.lax.mesh: `device_mesh` has no mesh_dim_names; axis names need them "
+                "(init_device_mesh(..., mesh_dim_names=(...)))"
+            )
+        self.device_mesh = device_mesh
+
+    def __enter__(self) -> DeviceMesh:
+        _MESHES.append(self.device_mesh)
+        return self.device_mesh
+
+    def __exit__(self, *exc: object) -> None:
+        _MESHES.pop()
+
+
+def current_mesh(opname: str, axis_name: object) -> DeviceMesh:
+    """The innermost bound mesh, or a ValueError saying how to bind one."""
+    if not _MESHES:
+        raise ValueError(
+            f"{opname}: `axis_name`={axis_name!r} names a mesh axis, but no mesh is bound; call it inside "
+            f"funcoll.shard_map, or inside `with funcoll.lax.mesh(device_mesh):`"
+        )
+    return _MESHES[-1]
+
+
+def axis_names(opname: str, axis_name: object, device_mesh: DeviceMesh) -> tuple[str, ...]:
+    """`axis_name` as a tuple of the mesh's axis names, checked: each known, none twice."""
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    known = device_mesh.mesh_dim_names or ()
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(
+                f"{opname}: `axis_name` must be a mesh axis name or a tuple of them, got {axis_name!r}"
+            )
+        if n not in known:
+            raise ValueError(f"{opname}: `axis_name`={axis_name!r}: {n!r} is not an axis of the mesh {known}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{opname}: `axis_name`={axis_name!r} names an axis twice")
+    return tuple(names)
+
+
+def resolve_axes(opname: str, axis_name: AxisName) -> tuple[GroupLike, tuple[str, ...], DeviceMesh]:
+    """(group, names, mesh): the funcoll group that `axis_name` spans in the current mesh.
+
+    One name is ``(mesh, name)``; several are the sub-mesh they span, flattened in the
+    order given into one group whose rank is JAX's ``axis_index(axis_name)``.
+    An empty tuple is no axis: the group is None and callers return `x` unchanged.
+    """
+    m = current_mesh(opname, axis_name)
+    names = axis_names(opname, axis_name, m)
+    if not names:
+        return None, names, m
+    if len(names) == 1:
+        return (m, names[0]), names, m
+    known = list(m.mesh_dim_names or ())
+    idx = [known.index(n) for n in names]
+    if idx != sorted(idx):
+        raise NotImplementedError(
+            f"{opname}: `axis_name`={axis_name!r} lists mesh axes out of the mesh's order {tuple(known)}; "
+            f"torch's DeviceMesh flattens sub-meshes in mesh order only, so pass {tuple(sorted(names, key=known.index))}"
+        )
+    # DeviceMesh._flatten, in two steps that also trace: dynamo runs _create_flatten_mesh on the
+    # real mesh while tracing (it creates the group once, on every rank, as eager code does;
+    # then it is cached in the root mesh), and get_group finds the flattened dim by its name.
+    flat = "_".join(names)
+    m[names]._create_flatten_mesh(flat)
+    return m.get_group(flat), names, m
+
+
+def prod(sizes: Sequence[int]) -> int:
+    """The product of `sizes` (a plain loop: dynamo traces it, unlike math.prod over a generator)."""
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
+
+
+def axis_sizes(device_mesh: DeviceMesh, names: Sequence[str]) -> list[int]:
+    known = list(device_mesh.mesh_dim_names or ())
+    return [device_mesh.size(known.index(n)) for n in names]
+
+
+# ------------------------------------------------------------------------------ shard_map
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (an output's cotangent over its replicas)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _entry_axes(entry: object) -> tuple[object, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def placements_of(opname: str, spec: P, device_mesh: DeviceMesh, ndim: int, arg: str) -> list[Placement]:
+    """The DTensor placements of `spec` on `device_mesh`: Shard(d) where dim d names the axis, else Replicate()."""
+    if not isinstance(spec, P):
+        raise TypeError(f"{opname}: `{arg}` entries must be funcoll.P specs, got {spec!r}")
+    if len(spec) > ndim:
+        raise ValueError(f"{opname}: `{arg}`={spec!r} has {len(spec)} entries for a {ndim}-d tensor")
+    known = list(device_mesh.mesh_dim_names or ())
+    placements: list[Placement] = [Replicate()] * device_mesh.ndim
+    seen: list[object] = []
+    for d, entry in enumerate(spec):
+        axes = _entry_axes(entry)
+        for a in axes:
+            if a not in known:
+                raise ValueError(
+                    f"{opname}: `{arg}`={spec!r}: {a!r} is not an axis of the mesh {tuple(known)}"
+                )
+            if a in seen:
+                raise ValueError(f"{opname}: `{arg}`={spec!r} names the axis {a!r} twice")
+            seen.append(a)
+            placements[known.index(a)] = Shard(d)
+        idx = [known.index(a) for a in axes]  # type: ignore[arg-type]
+        if idx != sorted(idx):
+            raise NotImplementedError(
+                f"{opname}: `{arg}`={spec!r} shards dim {d} over {axes} out of the mesh's axis order "
+                f"{tuple(known)}; DTensor shards one dim over several axes in mesh order"
+            )
+    return placements
+
+
+def _divisor(spec: P, device_mesh: DeviceMesh, d: int) -> int:
+    names = _entry_axes(spec[d]) if d < len(spec) else ()
+    return prod(axis_sizes(device_mesh, names))  # type: ignore[arg-type]
+
+
+def _replicas(spec: P, device_mesh: DeviceMesh) -> int:
+    """How many ranks hold each shard: the product of the sizes of the axes `spec` does not mention."""
+    mentioned = {a for entry in spec for a in _entry_axes(entry)}
+    names = device_mesh.mesh_dim_names or ()
+    return prod([device_mesh.size(i) for i, n in enumerate(names) if n not in mentioned])
+
+
+def _to_local(opname: str, x: Tensor, spec: P, device_mesh: DeviceMesh) -> Tensor:
+    """The local shard of `x` (a DTensor, or a plain tensor holding the global value) under `spec`."""
+    placements = placements_of(opname, spec, device_mesh, x.dim(), "in_specs")
+    for d in range(len(spec)):
+        n = _divisor(spec, device_mesh, d)
+        if x.shape[d] % n != 0:
+            raise ValueError(
+                f"{opname}: `in_specs` entry {spec!r} shards dim {d} of a tensor of global shape "
+                f"{tuple(x.shape)} over {n} ranks, which does not divide {x.shape[d]}"
+            )
+    if isinstance(x, DTensor):
+        if x.device_mesh != device_mesh:
+            raise ValueError(f"{opname}: a DTensor input lives on {x.device_mesh}, not on the shard_map mesh")
+    else:  # the global value, on every rank: shard it (the gradient comes back whole on every rank)
+        x = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+    if tuple(x.placements) != tuple(placements):
+        x = x.redistribute(device_mesh, placements)
+    # An input replicated over an axis gets the sum of its replicas' local gradients (JAX's
+    # shard_map transpose psums it there): Partial("sum") says so, and DTensor reduces it.
+    grads = [Partial("sum") if type(p) is Replicate else p for p in placements]
+    return x.to_local(grad_placements=grads)
+
+
+def _from_local(opname: str, y: Tensor, spec: P, device_mesh: DeviceMesh) -> DTensor:
+    placements = placements_of(opname, spec, device_mesh, y.dim(), "out_specs")
+    shape = [
+        y.shape[d] * _divisor(spec, device_mesh, d) if d < len(spec) else y.shape[d] for d in range(y.dim())
+    ]
+    replicas = _replicas(spec, device_mesh)
+    if replicas > 1:  # JAX (check_vma=False): a replicated output's cotangent is split over its replicas
+        y = _ScaleGrad.apply(y, 1.0 / replicas)
+    return DTensor.from_local(
+        y.contiguous(),
+        device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
+
+
+def _map(opname: str, fn: Callable[[Tensor, P], Any], tree: Any, specs: Any, arg: str) -> Any:
+    """Apply `fn` to every tensor of `tree` with its spec; `specs` is a prefix of `tree` (a P covers a subtree)."""
+    if isinstance(specs, P):
+        if isinstance(tree, Tensor):
+            return fn(tree, specs)
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(_map(opname, fn, t, specs, arg) for t in tree)
+        if isinstance(tree, dict):
+            return {k: _map(opname, fn, v, specs, arg) for k, v in tree.items()}
+        return tree  # a Python number, None: passed through
+    if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
+        return type(tree)(_map(opname, fn, t, s, arg) for t, s in zip(tree, specs, strict=True))
+    if isinstance(specs, dict) and isinstance(tree, dict) and specs.keys() == tree.keys():
+        return {k: _map(opname, fn, tree[k], specs[k], arg) for k in tree}
+    raise ValueError(
+        f"{opname}: `{arg}`={specs!r} does not match the structure of the values it describes "
+        f"(a funcoll.P, or a tuple/list/dict of them shaped like the values)"
+    )
+
+
+def shard_map(
+    f: Callable[..., Any] | None = None,
+    mesh: DeviceMesh | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+) -> Callable[..., Any]:
+    """JAX's ``shard_map``: run `f` on every rank's shards, with ``funcoll.lax`` collectives by axis name.
+
+    Args:
+        f: the per-shard function. It receives local tensors (plain ``torch.Tensor``)
+            and calls ``funcoll.lax`` collectives with the mesh's axis names. Without
+            `f`, ``shard_map(mesh=..., in_specs=..., out_specs=...)`` is a decorator.
+        mesh: a DeviceMesh with ``mesh_dim_names``.
+        in_specs: one :class:`P` per positional argument of `f` (a tuple of them), or
+            one P for every argument; a P covers a whole (nested) list/tuple/dict
+            argument. ``P("dp", None)`` shards dim 0 over "dp" and replicates over
+            every axis it does not mention. An argument may be a DTensor on `mesh`
+            (redistributed to the spec if its placements differ) or a plain tensor
+            holding the GLOBAL value on every rank, which is sharded here. A sharded
+            dim must divide by the product of its axes' sizes, as in JAX.
+        out_specs: the same for `f`'s outputs (a P for a single output).
+
+    Returns:
+        A function of the global inputs whose outputs are DTensors on `mesh` with
+        the placements of `out_specs` (``Shard(d)`` per axis named at dim d,
+        ``Replicate()`` elsewhere) and the global shape: each local output's
+        sharded dims times their axes' sizes. ``y.full_tensor()`` is the global
+        value, ``y.to_local()`` this rank's shard. As with JAX's ``check_vma=False``,
+        a spec that says an output is replicated is trusted, not checked.
+
+    Backward: gradients are those of the global function (a loss computed on the
+    DTensor outputs, e.g. from ``full_tensor()``), as in JAX: the cotangent of an
+    output replicated over axes A enters `f` divided by their size (each replica
+    carries its share), the collectives inside transpose as JAX's do (``psum`` to
+    ``psum``, ``all_gather`` to ``psum_scatter``), and an input's local gradient
+    is summed over the axes its spec does not mention (``Partial("sum")`` there).
+    A plain-tensor input gets the whole global gradient on every rank.
+
+    In the example, `mesh` is ``init_device_mesh("cpu", (2,), mesh_dim_names=("i",))``
+    and `x` holds the global value on both ranks.
+
+    Compiles with ``torch.compile(fullgraph=True)``: the mesh is bound and the
+    axis names are resolved while tracing, and the graph holds the collectives.
+
+    Example (2 ranks)::
+
+        # both: x = [1., 2., 3., 4.]
+        f = shard_map(lambda v: funcoll.lax.psum(v, "i"), mesh, P("i"), P())
+        f(x).to_local()               # both: [4., 6.]
+        g = shard_map(lambda v: v * 2, mesh, P("i"), P("i"))
+        g(x).to_local()               # rank 0: [2., 4.]    rank 1: [6., 8.]
+        g(x).full_tensor()            # both: [2., 4., 6., 8.]
+    """
+    opname = "funcoll.shard_map"
+    if f is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs)  # type: ignore[return-value]
+    if not callable(f):
+        raise TypeError(f"{opname}: `f` must be callable, got {type(f).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{opname}: `mesh` must be a DeviceMesh, got {type(mesh).__name__}")
+    if not mesh.mesh_dim_names:
+        raise ValueError(f"{opname}: `mesh` needs mesh_dim_names, the axis names specs and collectives use")
+    for arg, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
+        for s in _leaves(specs):
+            if not isinstance(s, P):
+                raise TypeError(f"{opname}: `{arg}` must hold funcoll.P specs, got {s!r} in {specs!r}")
+    device_mesh = mesh
+
+    @functools.wraps(f)
+    def mapped(*args: Any) -> Any:
+        specs = in_specs if isinstance(in_specs, P) else tuple(in_specs)
+        if not isinstance(specs, P) and len(specs) != len(args):
+            raise ValueError(f"{opname}: `in_specs` has {len(specs)} specs for {len(args)} arguments")
+        prefix = specs if isinstance(specs, P) else list(specs)
+        local = _map(
+            opname, lambda x, s: _to_local(opname, x, s, device_mesh), list(args), prefix, "in_specs"
+        )
+        _MESHES.append(device_mesh)
+        try:
+            out = f(*local)
+        finally:
+            _MESHES.pop()
+        return _map(opname, lambda y, s: _from_local(opname, y, s, device_mesh), out, out_specs, "out_specs")
+
+    return mapped
+
+
+def _leaves(specs: Any) -> Iterator[Any]:
+    if isinstance(specs, P) or not isinstance(specs, (list, tuple, dict)):
+        yield specs
+        return
+    for s in specs.values() if isinstance(specs, dict) else specs:
+        yield from _leaves(s)

@@ -1,0 +1,554 @@
+"""JAX's ``jax.lax`` collectives by name, over mesh axes: JAX code ports line for line.
+
+Each function has JAX's signature and semantics and is a thin layer over one
+funcoll op: it resolves `axis_name` against the current mesh (the enclosing
+:func:`funcoll.shard_map`, or ``with funcoll.lax.mesh(device_mesh):``) into a
+group, canonicalises JAX's arguments into the op's, and calls it. A tuple of
+axis names is the group of the sub-mesh they span, flattened in the order given.
+The backward of each is the op's, which is JAX's transpose: ``psum`` to
+``psum``, ``all_gather`` to ``psum_scatter``, ``all_to_all`` to the
+``all_to_all`` with the axes swapped, ``ppermute`` to the inverse permutation.
+
+=====================  ==========================  ==============================
+``jax.lax``            funcoll op                  ``_c10d_functional`` op
+=====================  ==========================  ==============================
+psum, pmean            all_reduce(op="sum")        all_reduce
+pmax, pmin             all_reduce(op="max"/"min")  all_reduce
+all_gather             all_gather                  all_gather_into_tensor
+psum_scatter           reduce_scatter              reduce_scatter_tensor
+all_to_all             all_to_all                  all_to_all_single
+ppermute, pshuffle     ppermute                    all_to_all_single
+ragged_all_to_all      all_to_all (padded slices)  all_to_all_single (x2)
+axis_index, axis_size  axis_index, axis_size       none (Python ints)
+=====================  ==========================  ==============================
+
+Every argument a value may be a pytree (nested lists, tuples and dicts of
+tensors), mapped leaf by leaf as in JAX. Errors start with the function's name,
+``funcoll.lax.psum: ...``. docs/jax.md lists every difference from JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree
+
+from . import _even
+from ._checks import check_dim
+from ._dtensor import is_dtensor
+from ._group import GroupLike, resolve_group
+from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, prod, resolve_axes
+
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "ragged_all_to_all",
+]
+
+_T = TypeVar("_T")
+
+
+def _leaves(
+    opname: str, x: _T, fn: Callable[[Tensor], Tensor], number: Callable[[Any], Any] | None = None
+) -> _T:
+    """Apply `fn` to every tensor leaf of the pytree `x` (JAX maps collectives over pytrees)."""
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if is_dtensor(v):
+                raise TypeError(
+                    f"{opname}: got a DTensor; funcoll.lax collectives take the local tensors that "
+                    f"funcoll.shard_map passes to its function (or x.to_local())"
+                )
+            return fn(v)
+        if number is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return number(v)
+        raise TypeError(
+            f"{opname}: `x` must be a tensor or a pytree of tensors, got a leaf {type(v).__name__}"
+        )
+
+    if isinstance(x, Tensor):
+        return leaf(x)  # type: ignore[no-any-return]
+    return _pytree.tree_map(leaf, x)  # type: ignore[no-any-return]
+
+
+def _group(opname: str, axis_name: AxisName) -> tuple[GroupLike, int]:
+    """(group, its size) that `axis_name` names; group None for an empty tuple (no axis)."""
+    group, names, m = resolve_axes(opname, axis_name)
+    return group, prod(axis_sizes(m, names))
+
+
+def _reduce(opname: str, x: _T, axis_name: AxisName, op: str, number: Callable[[Any, int], Any]) -> _T:
+    group, size = _group(opname, axis_name)
+
+    def one(v: Tensor) -> Tensor:
+        if v.dtype == torch.bool:  # JAX reduces booleans as int32
+            v = v.to(torch.int32)
+        return _even.all_reduce(v, group=group, op=op) if group is not None else v.clone()
+
+    return _leaves(opname, x, one, lambda n: number(n, size))
+
+
+def psum(x: _T, axis_name: AxisName) -> _T:
+    """Sum `x` over the mesh axis `axis_name`; every rank gets the sum (``jax.lax.psum``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them, or a Python number), the same
+            shape and dtype on every rank. Booleans are summed as int32.
+        axis_name: a mesh axis name, or a tuple of them (the sub-mesh they span).
+
+    Returns:
+        A new tensor of ``x.shape``: the sum over the axis. A value that is the same on
+        every rank comes out multiplied by the axis size, as in JAX (``psum(1, "i")``
+        is the axis size).
+
+    Backward: ``psum`` of the gradient over the same axis (JAX's transpose;
+    ``funcoll.all_reduce``'s backward).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        psum(x, "i")                  # both: [2., 4.]
+        # backward with grad 1.0: rank 0 x.grad = [2., 2.], rank 1 [2., 2.]
+        x / psum(x, "i")              # rank 0: [0., 0.25]   rank 1: [1., 0.75]
+        psum(1, "i")                  # both: 2
+    """
+    return _reduce("funcoll.lax.psum", x, axis_name, "sum", lambda n, size: n * size)
+
+
+def pmean(x: _T, axis_name: AxisName) -> _T:
+    """The mean of `x` over the mesh axis `axis_name` (``jax.lax.pmean``): ``psum(x) / axis_size``.
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+
+    Returns:
+        A new tensor of ``x.shape``: the mean (integer inputs give a float mean, as
+        JAX's true division does).
+
+    Backward: ``psum`` of the gradient divided by the axis size.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        pmean(x, "i")                 # both: [1., 2.]
+        # backward with grad 1.0: rank 0 x.grad = [1., 1.], rank 1 [1., 1.]
+    """
+    opname = "funcoll.lax.pmean"
+    _, size = _group(opname, axis_name)
+    summed = _reduce(opname, x, axis_name, "sum", lambda n, _: n * size)
+    return _leaves(opname, summed, lambda v: v / size, lambda n: n / size)
+
+
+def pmax(x: _T, axis_name: AxisName) -> _T:
+    """The elementwise maximum of `x` over the mesh axis `axis_name` (``jax.lax.pmax``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+
+    Returns:
+        A new tensor of ``x.shape``, the same on every rank of the axis.
+
+    Backward: none, as in JAX: a backward through it raises.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 5.]        rank 1: x = [3., 2.]
+        pmax(x, "i")                  # both: [3., 5.]
+    """
+    return _reduce("funcoll.lax.pmax", x, axis_name, "max", lambda n, _: n)
+
+
+def pmin(x: _T, axis_name: AxisName) -> _T:
+    """The elementwise minimum of `x` over the mesh axis `axis_name` (``jax.lax.pmin``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+
+    Returns:
+        A new tensor of ``x.shape``, the same on every rank of the axis.
+
+    Backward: none, as in JAX: a backward through it raises.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 5.]        rank 1: x = [3., 2.]
+        pmin(x, "i")                  # both: [1., 2.]
+    """
+    return _reduce("funcoll.lax.pmin", x, axis_name, "min", lambda n, _: n)
+
+
+def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> _T:
+    """Gather `x` from every rank of the mesh axis `axis_name` (``jax.lax.all_gather``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+        axis: ``tiled=False``: where the new axis of size ``axis_size`` goes;
+            ``tiled=True``: the dim the ranks' tensors are concatenated along.
+        tiled: stack (False, JAX's default) or concatenate (True).
+
+    Returns:
+        ``tiled=False``: ``x.shape`` with a new dim of size ``axis_size`` at `axis`,
+        rank i's `x` at index i. ``tiled=True``: ``x.shape[axis]`` times ``axis_size``.
+
+    Backward: ``psum_scatter`` of the gradient along the same dim (JAX's transpose).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        all_gather(x, "i")            # both: [[0., 1.], [2., 3.]]
+        all_gather(x, "i", axis=1)    # both: [[0., 2.], [1., 3.]]
+        all_gather(x, "i", tiled=True)  # both: [0., 1., 2., 3.]
+        # backward with grad 1.0: rank 0 x.grad = [2., 2.], rank 1 [2., 2.]
+    """
+    opname = "funcoll.lax.all_gather"
+    group, _ = _group(opname, axis_name)
+
+    def one(v: Tensor) -> Tensor:
+        d = check_dim(opname, v, axis, "axis", extra=0 if tiled else 1)
+        if group is None:
+            return v.clone() if tiled else v.unsqueeze(d).clone()
+        return _even.all_gather(v, d, group=group, tiled=tiled)
+
+    return _leaves(opname, x, one)
+
+
+def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False) -> _T:
+    """Sum `x` over the mesh axis `axis_name` and keep this rank's part (``jax.lax.psum_scatter``).
+
+    ``psum_scatter(x, "i")`` is ``psum(x, "i")[axis_index("i")]``, without the
+    rest of the sum ever being formed.
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+        scatter_dimension: the dim the sum is scattered along.
+        tiled: False (JAX's default): ``x.shape[scatter_dimension]`` must equal
+            the axis size, and that dim is removed. True: it must divide by the axis
+            size, and rank i keeps slice i.
+
+    Returns:
+        A new tensor: ``x.shape`` without `scatter_dimension` (``tiled=False``), or
+        with it divided by the axis size (``tiled=True``).
+
+    Backward: ``all_gather`` of the gradient along `scatter_dimension` (JAX's transpose).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[0., 1.], [2., 3.]]     rank 1: x = [[4., 5.], [6., 7.]]
+        psum_scatter(x, "i")                   # rank 0: [4., 6.]      rank 1: [8., 10.]
+        psum_scatter(x, "i", tiled=True)       # rank 0: [[4., 6.]]    rank 1: [[8., 10.]]
+        # backward with grad 1.0: rank 0 x.grad = [[1., 1.], [1., 1.]], rank 1 [[1., 1.], [1., 1.]]
+    """
+    opname = "funcoll.lax.psum_scatter"
+    group, size = _group(opname, axis_name)
+
+    def one(v: Tensor) -> Tensor:
+        d = check_dim(opname, v, scatter_dimension, "scatter_dimension")
+        n = v.shape[d]
+        if tiled and n % size != 0:
+            raise ValueError(
+                f"{opname}: x.shape[{d}]={n} (`scatter_dimension`={scatter_dimension}) does not divide by the "
+                f"size {size} of axis {axis_name!r} (tiled=True)"
+            )
+        if not tiled and n != size:
+            raise ValueError(
+                f"{opname}: x.shape[{d}]={n} (`scatter_dimension`={scatter_dimension}) must equal the size "
+                f"{size} of axis {axis_name!r} (tiled=False)"
+            )
+        if group is None:
+            return v.clone() if tiled else v.squeeze(d).clone()
+        return _even.reduce_scatter(v, d, group=group, op="sum", tiled=tiled)
+
+    return _leaves(opname, x, one)
+
+
+def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False) -> _T:
+    """Split `split_axis` over the ranks of `axis_name` and gather what arrives along `concat_axis` (``jax.lax.all_to_all``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+        split_axis: the dim cut into ``axis_size`` chunks; chunk j goes to rank j.
+        concat_axis: ``tiled=True``: the dim the received chunks are concatenated
+            along, in rank order. ``tiled=False``: where, in the result, the new
+            dim of size ``axis_size`` (indexed by the source rank) goes.
+        tiled: False (JAX's default): ``x.shape[split_axis]`` must equal the axis
+            size and that dim is removed. True: it must divide by the axis size.
+
+    Returns:
+        ``tiled=False``: ``x.shape`` without `split_axis`, with a dim of size
+        ``axis_size`` inserted at `concat_axis`. ``tiled=True``: ``x.shape`` with
+        ``split_axis`` divided and ``concat_axis`` multiplied by the axis size.
+
+    Backward: ``all_to_all`` of the gradient with `split_axis` and `concat_axis`
+    swapped (JAX's transpose).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[0., 1.], [2., 3.]]     rank 1: x = [[4., 5.], [6., 7.]]
+        all_to_all(x, "i", 0, 0)               # rank 0: [[0., 1.], [4., 5.]]   rank 1: [[2., 3.], [6., 7.]]
+        all_to_all(x, "i", 1, 0, tiled=True)   # rank 0: [[0.], [2.], [4.], [6.]]   rank 1: [[1.], [3.], [5.], [7.]]
+        # backward with grad [[1.], [2.], [3.], [4.]]: rank 0 x.grad = [[1., 1.], [2., 2.]], rank 1 [[3., 3.], [4., 4.]]
+    """
+    opname = "funcoll.lax.all_to_all"
+    group, size = _group(opname, axis_name)
+
+    def one(v: Tensor) -> Tensor:
+        s = check_dim(opname, v, split_axis, "split_axis")
+        n = v.shape[s]
+        if tiled:
+            c = check_dim(opname, v, concat_axis, "concat_axis")
+            if n % size != 0:
+                raise ValueError(
+                    f"{opname}: x.shape[{s}]={n} (`split_axis`) does not divide by the size {size} of axis "
+                    f"{axis_name!r} (tiled=True)"
+                )
+        else:
+            c = check_dim(opname, v, concat_axis, "concat_axis")  # a position in the result, of v.dim() dims
+            if n != size:
+                raise ValueError(
+                    f"{opname}: x.shape[{s}]={n} (`split_axis`) must equal the size {size} of axis "
+                    f"{axis_name!r} (tiled=False)"
+                )
+            if s < c:  # JAX: concat_axis is a position after split_axis is removed
+                c += 1
+                v = v.unsqueeze(c)
+            elif c < s:
+                v = v.unsqueeze(c)
+                s += 1
+        if group is None:
+            y = v.clone()
+        else:
+            y = _even.all_to_all(v, group, s, c)
+        return y.squeeze(s) if not tiled and s != c else y
+
+    return _leaves(opname, x, one)
+
+
+def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
+    """Send `x` along the (source, destination) index pairs of `perm` (``jax.lax.ppermute``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+        perm: ``(source_index, destination_index)`` pairs of indices along the axis;
+            no index is a source twice or a destination twice.
+
+    Returns:
+        A new tensor of ``x.shape``: what the source paired with this rank sent, or
+        zeros where no pair names this rank as a destination.
+
+    Backward: ``ppermute`` of the gradient with every pair reversed (JAX's transpose).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 1.]        rank 1: x = [2., 2.]
+        ppermute(x, "i", [(0, 1), (1, 0)])   # rank 0: [2., 2.]      rank 1: [1., 1.]
+        ppermute(x, "i", [(0, 1)])           # rank 0: [0., 0.]      rank 1: [1., 1.]
+        # backward with grad [1., 2.]: rank 0 x.grad = [1., 2.], rank 1 [0., 0.]
+    """
+    opname = "funcoll.lax.ppermute"
+    group, _ = _group(opname, axis_name)
+    pairs = [tuple(p) for p in perm]
+    if group is None:
+        return _leaves(opname, x, lambda v: v.clone() if (0, 0) in pairs else torch.zeros_like(v))
+    return _leaves(opname, x, lambda v: _even.ppermute(v, pairs, group=group))  # type: ignore[arg-type]
+
+
+def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
+    """``ppermute`` with JAX's other encoding: rank i gets the `x` of rank ``perm[i]`` (``jax.lax.pshuffle``).
+
+    Args:
+        x: this rank's tensor (or a pytree of them), the same shape on every rank.
+        axis_name: a mesh axis name, or a tuple of them.
+        perm: a permutation of ``range(axis_size)``: the source of each index.
+
+    Returns:
+        A new tensor of ``x.shape``: rank ``perm[rank]``'s `x`.
+
+    Backward: ``ppermute`` of the gradient with the inverse permutation.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 1.]        rank 1: x = [2., 2.]
+        pshuffle(x, "i", [1, 0])      # rank 0: [2., 2.]      rank 1: [1., 1.]
+        pshuffle(x, "i", [0, 1])      # rank 0: [1., 1.]      rank 1: [2., 2.]
+    """
+    opname = "funcoll.lax.pshuffle"
+    _, size = _group(opname, axis_name)
+    srcs = list(perm)
+    if any(isinstance(p, bool) or not isinstance(p, int) for p in srcs) or sorted(srcs) != list(range(size)):
+        raise ValueError(f"{opname}: `perm`={perm!r} is not a permutation of range({size}), the axis size")
+    return ppermute(x, axis_name, [(src, dst) for dst, src in enumerate(srcs)])
+
+
+def axis_index(axis_name: AxisName) -> int:
+    """This rank's index along the mesh axis `axis_name` (``jax.lax.axis_index``).
+
+    Args:
+        axis_name: a mesh axis name, or a tuple of them: the index over the sub-mesh
+            they span, the first axis major (``("dp", "tp")``: ``dp * tp_size + tp``).
+
+    Returns:
+        A Python int (JAX returns an int32 array): a constant of a compiled graph.
+
+    Backward: none (an int).
+
+    Example (2 ranks)::
+
+        axis_index("i")               # rank 0: 0    rank 1: 1
+        axis_index(())                # both: 0
+    """
+    opname = "funcoll.lax.axis_index"
+    m = current_mesh(opname, axis_name)
+    index = 0
+    for name in axis_names(opname, axis_name, m):  # row-major over the named axes, as JAX computes it
+        g = resolve_group(opname, (m, name))
+        index = index * g.size + g.rank
+    return index
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """The number of ranks along the mesh axis `axis_name` (``jax.lax.axis_size``).
+
+    Args:
+        axis_name: a mesh axis name, or a tuple of them (the product of their sizes).
+
+    Returns:
+        A Python int, a constant of a compiled graph.
+
+    Backward: none (an int).
+
+    Example (2 ranks)::
+
+        axis_size("i")                # both: 2
+    """
+    opname = "funcoll.lax.axis_size"
+    m = current_mesh(opname, axis_name)
+    return prod(axis_sizes(m, axis_names(opname, axis_name, m)))
+
+
+def _offsets(opname: str, arg: str, v: object, count: int | None, device: torch.device) -> Tensor:
+    t = v if isinstance(v, Tensor) else torch.tensor(v, dtype=torch.int64)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(
+            f"{opname}: `{arg}` must be a 1-D integer tensor, got {t.dtype} of shape {tuple(t.shape)}"
+        )
+    if count is not None and t.shape[0] != count:
+        raise ValueError(f"{opname}: `{arg}` has {t.shape[0]} entries, `input_offsets` has {count}")
+    return t.to(device=device, dtype=torch.int64)
+
+
+def ragged_all_to_all(
+    operand: Tensor,
+    output: Tensor,
+    input_offsets: Tensor,
+    send_sizes: Tensor,
+    output_offsets: Tensor,
+    recv_sizes: Tensor,
+    *,
+    axis_name: AxisName,
+) -> Tensor:
+    """Send slices of a ragged array to the ranks of `axis_name`, written at offsets the senders name (``jax.lax.ragged_all_to_all``).
+
+    A ragged array is JAX's triple ``(data, offsets, sizes)``: component k is
+    ``data[offsets[k] : offsets[k] + sizes[k]]`` along dim 0. With K entries in each
+    offset and size array and n ranks on the axis, entry k concerns rank
+    ``k // (K // n)``: this rank sends ``operand[input_offsets[k] :][: send_sizes[k]]``
+    to it, to be written on that rank at ``output_offsets[k]`` (an offset in the
+    RECEIVER's buffer), and receives ``recv_sizes[k]`` rows from it. Received rows
+    land at the offsets their senders chose: ``all_to_all(output_offsets, axis_name,
+    0, 0, tiled=True)`` gives them on the receiver. ``send_sizes[k]`` on rank r is
+    ``recv_sizes`` on rank ``k // (K // n)``'s entry for r.
+
+    Args:
+        operand: ``(N, ...)``, the rows to send.
+        output: ``(M, ...)``, the same trailing dims and dtype: the buffer the
+            received rows are written into (a new tensor is returned; `output` is
+            not modified).
+        input_offsets: ``(K,)`` integers (K divisible by the axis size, on any device):
+            where in `operand` slice k starts.
+        send_sizes: ``(K,)`` integers: how many rows slice k sends.
+        output_offsets: ``(K,)`` integers: where slice k lands in its RECEIVER's buffer.
+        recv_sizes: ``(K,)`` integers: how many rows arrive from entry k's rank.
+        axis_name: a mesh axis name, or a tuple of them.
+
+    Returns:
+        A new tensor of `output`'s shape (static): `output` with the received rows
+        written in. Nothing is read on the host: no device-to-host sync. Each slice
+        travels padded to ``min(N, M)`` rows (one even all_to_all of
+        ``K * min(N, M)`` rows, after one of the K output offsets).
+
+    Backward: the gradient of `operand` is the ``ragged_all_to_all`` of the
+    result's gradient back (the ``all_to_all`` of the padded slices reversed), and
+    `output`'s gradient is the result's with the received rows zeroed (JAX's transpose).
+
+    Example (2 ranks)::
+
+        # rank 0: operand = [1., 2., 2.], input_offsets = [0, 1], send_sizes = [1, 2]
+        # rank 0: output = [0., 0., 0., 0.], output_offsets = [0, 0], recv_sizes = [1, 1]
+        # rank 1: operand = [3., 4., 0.], input_offsets = [0, 1], send_sizes = [1, 1]
+        # rank 1: output = [0., 0., 0., 0.], output_offsets = [1, 2], recv_sizes = [2, 1]
+        ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="i")
+        # rank 0: [1., 3., 0., 0.]   rank 1: [2., 2., 4., 0.]
+    """
+    opname = "funcoll.lax.ragged_all_to_all"
+    for arg, v in (("operand", operand), ("output", output)):
+        if not isinstance(v, Tensor):
+            raise TypeError(f"{opname}: `{arg}` must be a torch.Tensor, got {type(v).__name__}")
+        if is_dtensor(v):
+            raise TypeError(
+                f"{opname}: `{arg}` is a DTensor; pass the local tensors (inside funcoll.shard_map)"
+            )
+        if v.dim() == 0:
+            raise ValueError(f"{opname}: `{arg}` must have at least one dim, got a 0-d tensor")
+    if operand.shape[1:] != output.shape[1:] or operand.dtype != output.dtype:
+        raise ValueError(
+            f"{opname}: `operand` {operand.dtype}{tuple(operand.shape)} and `output` "
+            f"{output.dtype}{tuple(output.shape)} must agree in dtype and in every dim but the first"
+        )
+    dev = operand.device
+    in_off = _offsets(opname, "input_offsets", input_offsets, None, dev)
+    k = in_off.shape[0]
+    send = _offsets(opname, "send_sizes", send_sizes, k, dev)
+    out_off = _offsets(opname, "output_offsets", output_offsets, k, dev)
+    recv = _offsets(opname, "recv_sizes", recv_sizes, k, dev)
+    group, size = _group(opname, axis_name)
+    if k % size != 0:
+        raise ValueError(
+            f"{opname}: the offset and size arrays have {k} entries, not a multiple of the axis size {size}"
+        )
+    n, m = operand.shape[0], output.shape[0]
+    cap = min(n, m)  # no slice is longer: it lies in `operand` and lands in `output`
+    steps = torch.arange(cap, device=dev)
+    # Sender: slice k padded to `cap` rows, zeros after send_sizes[k]; no host read.
+    rows = (in_off[:, None] + steps).clamp(0, max(n - 1, 0))  # (K, cap)
+    keep = (steps < send[:, None]).reshape(k, cap, *([1] * (operand.dim() - 1)))
+    slices = torch.where(keep, operand[rows], torch.zeros((), dtype=operand.dtype, device=dev))
+    if group is not None and size > 1:  # slice k goes to rank k // (K / size), in order
+        slices = _even.all_to_all(slices, group, 0, 0)
+        out_off = _even.all_to_all(out_off, group, 0, 0)
+    # Receiver: slice k's first recv_sizes[k] rows go to out_off[k] + j; the rest to a spare row M, cut off.
+    at = out_off[:, None] + steps  # (K, cap)
+    at = torch.where((steps < recv[:, None]) & (at >= 0) & (at < m), at, m)
+    spare = torch.cat([output, output.new_zeros((1, *output.shape[1:]))])
+    written = spare.index_put((at.reshape(-1),), slices.reshape(k * cap, *output.shape[1:]))
+    return written[:m]

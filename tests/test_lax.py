@@ -1,0 +1,633 @@
+"""funcoll.lax and funcoll.shard_map (funcoll/lax.py, funcoll/_shard_map.py) on real gloo ranks.
+
+Every ``funcoll.lax`` function is checked against JAX's documented behaviour (the
+facts of JAX's docstrings: ``psum(1, "i")`` is the axis size, ``psum_scatter(x)`` is
+``psum(x)[axis_index]``, ``all_to_all``'s shape ``insert(delete(shape, split),
+concat, n)``, ``ragged_all_to_all``'s two-device example, ``axis_index`` of a tuple
+row-major) and against references computed in one process from every rank's input
+(sums, stacks, chunks, permutations; never funcoll). Gradients are float64 and use
+JAX's convention for per-rank code: each rank's loss ``sum(y_r * w_r)`` is its own and
+the losses add up, so ``psum``'s backward is ``psum``.
+
+``shard_map`` cases compare the DTensor outputs (``full_tensor()``, placements) and the
+gradients of the global loss ``sum(Y * W)`` with a single-process computation of the
+global function on the global inputs, plain tensors and DTensors alike.
+
+Axes: a 1-D mesh "i" of 2 and 4 ranks, and on 4 ranks a 2x2 mesh ("dp", "tp"): one
+axis, the other, and both as a tuple (the flattened sub-mesh). One ``run_ranks`` per
+world size runs every case.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from _inputs import once_per_world, seeded
+from torch import Tensor
+
+import funcoll
+import funcoll.lax as lax
+from funcoll import P
+
+WORLDS = (2, 4)
+TIMEOUT_S = 120.0
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------------ axes
+def coords(rank: int, mesh: str) -> dict[str, int]:
+    """A rank's index along each axis of the named mesh: "i" (1-D) or "dp_tp" (2x2, dp major)."""
+    return {"i": rank} if mesh == "i" else {"dp": rank // 2, "tp": rank % 2}
+
+
+def members(rank: int, world: int, mesh: str, axis: Any) -> list[int]:
+    """The ranks of `rank`'s group along `axis` (a name or a tuple), in JAX's axis_index order."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    mine = coords(rank, mesh)
+    out = []
+    for r in range(world):
+        c = coords(r, mesh)
+        if all(c[n] == mine[n] for n in mine if n not in names):
+            out.append(r)
+    sizes = {"i": world, "dp": 2, "tp": 2}
+
+    def index(r: int) -> int:
+        k = 0
+        for n in names:
+            k = k * sizes[n] + coords(r, mesh)[n]
+        return k
+
+    return sorted(out, key=index)
+
+
+# ------------------------------------------------------------------------------ cases
+@dataclass(frozen=True)
+class Case:
+    """One lax call on every rank: `op`(x, axis, **kw), x of `shape` per rank."""
+
+    id: str
+    op: str
+    shape: tuple[int, ...]
+    axis: Any
+    mesh: str = "i"
+    kw: dict[str, Any] = field(default_factory=dict)
+    grad: bool = True
+
+
+def lax_cases(world: int) -> list[Case]:
+    w = world
+    ring = [(i, (i + 1) % w) for i in range(w)]
+    out = [
+        Case("psum-3x5", "psum", (3, 5), "i"),
+        Case("pmean-4", "pmean", (4,), "i"),
+        Case("pmax-2x3", "pmax", (2, 3), "i", grad=False),
+        Case("pmin-2x3", "pmin", (2, 3), "i", grad=False),
+        Case("all_gather-3x5-axis0", "all_gather", (3, 5), "i"),
+        Case("all_gather-3x5-axis1", "all_gather", (3, 5), "i", kw={"axis": 1}),
+        Case("all_gather-3x5-axis-1", "all_gather", (3, 5), "i", kw={"axis": -1}),
+        Case("all_gather-3x5-tiled-axis1", "all_gather", (3, 5), "i", kw={"axis": 1, "tiled": True}),
+        Case(f"psum_scatter-{w}x3", "psum_scatter", (w, 3), "i"),
+        Case(
+            f"psum_scatter-3x{2 * w}-dim1-tiled",
+            "psum_scatter",
+            (3, 2 * w),
+            "i",
+            kw={"scatter_dimension": 1, "tiled": True},
+        ),
+        Case(f"all_to_all-{w}x3-s0c1", "all_to_all", (w, 3), "i", kw={"split_axis": 0, "concat_axis": 1}),
+        Case(
+            f"all_to_all-3x{w}x2-s1c0", "all_to_all", (3, w, 2), "i", kw={"split_axis": 1, "concat_axis": 0}
+        ),
+        Case(f"all_to_all-{w}x3-s0c0", "all_to_all", (w, 3), "i", kw={"split_axis": 0, "concat_axis": 0}),
+        Case(
+            f"all_to_all-3x{2 * w}-s1c0-tiled",
+            "all_to_all",
+            (3, 2 * w),
+            "i",
+            kw={"split_axis": 1, "concat_axis": 0, "tiled": True},
+        ),
+        Case("ppermute-3x2-ring", "ppermute", (3, 2), "i", kw={"perm": ring}),
+        Case("ppermute-3-one-pair", "ppermute", (3,), "i", kw={"perm": [(0, 1)]}),
+        Case("pshuffle-2x2-reverse", "pshuffle", (2, 2), "i", kw={"perm": list(reversed(range(w)))}),
+    ]
+    if world == 4:  # the 2x2 mesh: one axis, the other, both
+        for axis in ("dp", "tp", ("dp", "tp")):
+            a = "_".join(axis) if isinstance(axis, tuple) else axis
+            n = 4 if isinstance(axis, tuple) else 2
+            out += [
+                Case(f"psum-3x2-{a}", "psum", (3, 2), axis, "dp_tp"),
+                Case(f"all_gather-2x3-tiled-{a}", "all_gather", (2, 3), axis, "dp_tp", {"tiled": True}),
+                Case(f"psum_scatter-{n}x2-{a}", "psum_scatter", (n, 2), axis, "dp_tp"),
+                Case(
+                    f"all_to_all-{n}x3-s0c1-{a}",
+                    "all_to_all",
+                    (n, 3),
+                    axis,
+                    "dp_tp",
+                    {"split_axis": 0, "concat_axis": 1},
+                ),
+                Case(
+                    f"ppermute-2-ring-{a}",
+                    "ppermute",
+                    (2,),
+                    axis,
+                    "dp_tp",
+                    {"perm": [(i, (i + 1) % n) for i in range(n)]},
+                ),
+            ]
+    return out
+
+
+def reference(case: Case, xs: list[Tensor], k: int) -> Tensor:
+    """What rank k of a group whose inputs are `xs` (in axis order) gets, computed in one process."""
+    n, kw = len(xs), case.kw
+    total = torch.stack(xs).sum(0)
+    if case.op == "psum":
+        return total
+    if case.op == "pmean":
+        return total / n
+    if case.op in ("pmax", "pmin"):
+        return torch.stack(xs).amax(0) if case.op == "pmax" else torch.stack(xs).amin(0)
+    if case.op == "all_gather":
+        axis = kw.get("axis", 0)
+        return torch.cat(xs, axis) if kw.get("tiled") else torch.stack(xs, axis)
+    if case.op == "psum_scatter":
+        d = kw.get("scatter_dimension", 0)
+        return torch.chunk(total, n, d)[k] if kw.get("tiled") else total.select(d, k)
+    if case.op == "all_to_all":
+        s, c = kw["split_axis"], kw["concat_axis"]
+        if kw.get("tiled"):
+            return torch.cat([torch.chunk(x, n, s)[k] for x in xs], c)
+        return torch.stack([x.select(s, k) for x in xs], c)  # JAX: insert(delete(shape, s), c, n)
+    if case.op == "ppermute":
+        src = {d: s for s, d in kw["perm"]}.get(k)
+        return xs[src] if src is not None else torch.zeros_like(xs[0])
+    if case.op == "pshuffle":
+        return xs[kw["perm"][k]]
+    raise AssertionError(case.op)
+
+
+def call(case: Case, x: Tensor) -> Tensor:
+    kw = dict(case.kw)
+    if case.op in ("ppermute", "pshuffle"):
+        return getattr(lax, case.op)(x, case.axis, kw.pop("perm"))
+    if case.op == "all_to_all":
+        return lax.all_to_all(x, case.axis, kw.pop("split_axis"), kw.pop("concat_axis"), **kw)
+    return getattr(lax, case.op)(x, case.axis, **kw)
+
+
+def x_of(case: Case, rank: int) -> Tensor:
+    return seeded(case.shape, F64, case.id, "x", rank)
+
+
+# ------------------------------------------------------------------------ ragged_all_to_all
+def ragged_args(world: int, rank: int, per: int) -> dict[str, Tensor]:
+    """Seeded ragged arguments: K = world * per slices, sizes from one seeded world x K table, so
+    that send_sizes on rank r, entry j*per+s, is recv_sizes on rank j, entry r*per+s."""
+    g = torch.Generator().manual_seed(world * 10 + per)
+    k = world * per
+    table = torch.randint(0, 3, (world, k), generator=g)  # table[r, j*per+s]: rows r sends to j in slice s
+    send = table[rank]
+    in_off = torch.cumsum(send, 0) - send + 1  # packed after one leading row that is never sent
+    n = int(table.sum(1).max()) + 3  # one operand shape on every rank, as in JAX
+    # receiver j's slices, in (source, slice) order, packed after one spare row
+    recv_of = [
+        torch.stack([table[i, j * per : (j + 1) * per] for i in range(world)]).reshape(-1)
+        for j in range(world)
+    ]
+    recv = recv_of[rank]
+    out_off = torch.stack(
+        [
+            (torch.cumsum(recv_of[j], 0) - recv_of[j] + 1)[rank * per + s]
+            for j in range(world)
+            for s in range(per)
+        ]
+    )
+    m = max(int(r.sum()) for r in recv_of) + 3
+    return {
+        "operand": seeded((n, 2), F64, "ragged", world, per, rank),
+        "output": seeded((m, 2), F64, "ragged-out", world, per, rank),
+        "input_offsets": in_off,
+        "send_sizes": send,
+        "output_offsets": out_off,
+        "recv_sizes": recv,
+    }
+
+
+def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
+    """JAX's pseudocode for ragged_all_to_all, in one process."""
+    world = len(args)
+    results = [a["output"].clone() for a in args]
+    for a in args:
+        for i in range(world * per):
+            j = i // per
+            lo, size = int(a["input_offsets"][i]), int(a["send_sizes"][i])
+            at = int(a["output_offsets"][i])
+            results[j] = torch.cat([results[j][:at], a["operand"][lo : lo + size], results[j][at + size :]])
+    return results
+
+
+# ------------------------------------------------------------------------------- shard_map
+@dataclass(frozen=True)
+class MapCase:
+    """shard_map(f, mesh, in_specs, out_specs) on global inputs; `ref` is the global function."""
+
+    id: str
+    f: Callable[..., Any]
+    ref: Callable[..., Any]
+    shapes: tuple[tuple[int, ...], ...]
+    in_specs: Any
+    out_specs: Any
+    dtensor_in: tuple[Any, ...] | None = None  # placements to distribute each input with first
+
+
+def _psum_tp(x: Tensor) -> Tensor:
+    return lax.psum(x, "tp")
+
+
+def _gather_dp_tp(x: Tensor) -> Tensor:
+    return lax.all_gather(x, ("dp", "tp"), axis=0, tiled=True) * 3.0
+
+
+def _scatter_back(x: Tensor) -> Tensor:
+    return lax.psum_scatter(x, "tp", scatter_dimension=1, tiled=True)
+
+
+def _two_outputs(d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    return d["a"] * lax.axis_index("dp"), lax.pmean(d["b"], ("dp", "tp"))
+
+
+def _ring(x: Tensor) -> Tensor:
+    n = lax.axis_size("tp")
+    return lax.ppermute(x, "tp", [(i, (i + 1) % n) for i in range(n)]) + x
+
+
+def map_cases() -> list[MapCase]:
+    def psum_tp_ref(x: Tensor) -> Tensor:
+        return x[:, :2] + x[:, 2:]
+
+    def ring_ref(x: Tensor) -> Tensor:  # tp blocks of dim 1 rotate by one
+        a, b = x[:, :3], x[:, 3:]
+        return torch.cat([b + a, a + b], 1)
+
+    return [
+        # a replicated output of a sum over "tp": psum's backward meets the divided cotangent
+        MapCase("psum-tp-to-replicated", _psum_tp, psum_tp_ref, ((3, 4),), (P(None, "tp"),), P()),
+        # an input replicated over "tp" (P("dp")): psum of an invariant value is axis_size * x, as in JAX
+        MapCase("psum-of-replicated", _psum_tp, lambda x: 2 * x, ((4, 3),), (P("dp"),), P("dp")),
+        # all 4 ranks' rows gathered over the flattened ("dp", "tp") axis
+        MapCase("all_gather-dp_tp", _gather_dp_tp, lambda x: 3 * x, ((8, 2),), (P(("dp", "tp")),), P()),
+        # a DTensor input on other placements is redistributed; Shard(1) over "tp" comes back
+        MapCase(
+            "psum_scatter-dtensor-in",
+            _scatter_back,
+            lambda x: 2 * x,
+            ((2, 4),),
+            (P("dp"),),
+            P("dp", "tp"),
+            dtensor_in=(("R", "S1"),),
+        ),
+        MapCase("ppermute-tp-ring", _ring, ring_ref, ((2, 6),), P(None, "tp"), P(None, "tp")),
+        MapCase(
+            "dict-in-two-out",
+            _two_outputs,
+            lambda d: (torch.cat([d["a"][:2] * 0, d["a"][2:] * 1]), d["b"] / 4 * 4),
+            ({"a": (4, 3), "b": (2, 3)},),
+            ({"a": P("dp"), "b": P()},),
+            (P("dp"), P()),
+        ),
+    ]
+
+
+def _placement(code: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if code == "R" else Shard(int(code[1:]))
+
+
+def _map_inputs(case: MapCase) -> list[Any]:
+    def make(shape: Any, key: str) -> Any:
+        if isinstance(shape, dict):
+            return {k: make(v, f"{key}.{k}") for k, v in shape.items()}
+        return seeded(shape, F64, case.id, key)
+
+    return [make(s, str(i)) for i, s in enumerate(case.shapes)]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [v for k in sorted(tree) for v in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [v for t in tree for v in _leaves(t)]
+    return [tree]
+
+
+def _weights(case: MapCase, outs: list[Tensor]) -> list[Tensor]:
+    return [seeded(tuple(o.shape), F64, case.id, "w", k) for k, o in enumerate(outs)]
+
+
+def map_reference(case: MapCase) -> dict[str, Any]:
+    inputs = _map_inputs(case)
+    leaves = [t.requires_grad_() for t in _leaves(inputs)]
+    outs = _leaves(case.ref(*inputs))
+    loss = sum((o * w).sum() for o, w in zip(outs, _weights(case, outs), strict=True))
+    return {"outs": [o.detach() for o in outs], "grads": list(torch.autograd.grad(loss, leaves))}
+
+
+def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    inputs = _map_inputs(case)
+    if case.dtensor_in is not None:
+        inputs = [
+            distribute_tensor(x, mesh, [_placement(p) for p in ps])
+            for x, ps in zip(inputs, case.dtensor_in, strict=True)
+        ]
+    leaves = [t.requires_grad_() for t in _leaves(inputs)]
+    outs = _leaves(funcoll.shard_map(case.f, mesh, case.in_specs, case.out_specs)(*inputs))
+    full = [o.full_tensor() for o in outs]
+    loss = sum((o * w).sum() for o, w in zip(full, _weights(case, full), strict=True))
+    loss.backward()
+    grads = [t.grad.full_tensor() if hasattr(t.grad, "full_tensor") else t.grad for t in leaves]
+    return {
+        "outs": [o.detach() for o in full],
+        "placements": [[str(p) for p in o.placements] for o in outs],
+        "local": [o.to_local().detach() for o in outs],
+        "grads": [g.detach() for g in grads],
+    }
+
+
+# -------------------------------------------------------------------------------- errors
+def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
+    """Every bad call, made on every rank before any communication; the message each raised."""
+    x = torch.ones(3, 2)
+    calls: dict[str, Callable[[], Any]] = {
+        "no-mesh": lambda: lax.psum(x, "i"),
+        "unknown-axis": lambda: _in(meshes["i"], lambda: lax.psum(x, "tp")),
+        "not-a-name": lambda: _in(meshes["i"], lambda: lax.psum(x, 0)),  # type: ignore[arg-type]
+        "psum_scatter-size": lambda: _in(meshes["i"], lambda: lax.psum_scatter(x, "i")),
+        "all_to_all-size": lambda: _in(
+            meshes["i"],
+            lambda: lax.all_to_all(x, "i", 1, 0, tiled=True) if world == 4 else lax.all_to_all(x, "i", 0, 0),
+        ),
+        "pshuffle-not-a-permutation": lambda: _in(meshes["i"], lambda: lax.pshuffle(x, "i", [0] * world)),
+        "dtensor-in-lax": lambda: _in(meshes["i"], lambda: lax.psum(_replicated(x, meshes["i"]), "i")),
+        "ragged-bad-count": lambda: _in(
+            meshes["i"],
+            lambda: lax.ragged_all_to_all(
+                x,
+                x,
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros(3, dtype=torch.int64),
+                axis_name="i",
+            ),
+        ),
+        "spec-unknown-axis": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P("tp"), P())(x),
+        "spec-not-divisible": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(None, "i"), P())(
+            torch.ones(2, 3)
+        ),
+        "spec-not-a-P": lambda: funcoll.shard_map(lambda v: v, meshes["i"], ("i",), P()),
+    }
+    if world == 4:
+        calls["tuple-out-of-order"] = lambda: _in(meshes["dp_tp"], lambda: lax.psum(x, ("tp", "dp")))
+        calls["spec-out-of-order"] = lambda: funcoll.shard_map(
+            lambda v: v, meshes["dp_tp"], P(("tp", "dp")), P()
+        )(torch.ones(4, 2))
+    out = {}
+    for name, fn in calls.items():
+        try:
+            fn()
+            out[name] = "nothing raised"
+        except Exception as e:  # noqa: BLE001 -- the parent checks type and message
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _in(m: Any, fn: Callable[[], Any]) -> Any:
+    with lax.mesh(m):
+        return fn()
+
+
+def _replicated(x: Tensor, m: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(x, m, [Replicate()], run_check=False)
+
+
+EXPECTED_ERRORS = {
+    "no-mesh": "ValueError: funcoll.lax.psum: `axis_name`='i' names a mesh axis, but no mesh is bound",
+    "unknown-axis": "ValueError: funcoll.lax.psum: `axis_name`='tp': 'tp' is not an axis of the mesh ('i',)",
+    "not-a-name": "TypeError: funcoll.lax.psum: `axis_name` must be a mesh axis name",
+    "psum_scatter-size": "ValueError: funcoll.lax.psum_scatter: x.shape[0]=3",
+    "all_to_all-size": "ValueError: funcoll.lax.all_to_all: x.shape[",
+    "pshuffle-not-a-permutation": "ValueError: funcoll.lax.pshuffle: `perm`=",
+    "dtensor-in-lax": "TypeError: funcoll.lax.psum: got a DTensor",
+    "ragged-bad-count": "ValueError: funcoll.lax.ragged_all_to_all: the offset and size arrays have 3 entries",
+    "spec-unknown-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp'): 'tp' is not an axis of the mesh ('i',)",
+    "spec-not-divisible": "ValueError: funcoll.shard_map: `in_specs` entry P(None, 'i') shards dim 1",
+    "spec-not-a-P": "TypeError: funcoll.shard_map: `in_specs` must hold funcoll.P specs",
+    "tuple-out-of-order": "NotImplementedError: funcoll.lax.psum: `axis_name`=('tp', 'dp') lists mesh axes out",
+    "spec-out-of-order": "NotImplementedError: funcoll.shard_map: `in_specs`=P(('tp', 'dp')) shards dim 0",
+}
+
+
+# ---------------------------------------------------------------------------------- ranks
+def body(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = {"i": init_device_mesh("cpu", (world,), mesh_dim_names=("i",))}
+    if world == 4:
+        meshes["dp_tp"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    res: dict[str, Any] = {"errors": errors(rank, world, meshes)}  # first: none may communicate
+    for case in lax_cases(world):
+        try:
+            x = x_of(case, rank).requires_grad_(case.grad)
+            with lax.mesh(meshes[case.mesh]):
+                y = call(case, x)
+            if case.grad:
+                y.backward(seeded(tuple(y.shape), F64, case.id, "w", rank))
+            res[case.id] = {"y": y.detach(), "grad": None if x.grad is None else x.grad.clone()}
+        except Exception:  # noqa: BLE001 -- reported by the case's test
+            res[case.id] = {"error": traceback.format_exc(limit=-6)}
+    with lax.mesh(meshes["i"]):
+        res["scalars"] = {
+            "psum-1": lax.psum(1, "i"),
+            "pmean-2.5": lax.pmean(2.5, "i"),
+            "psum-bool": lax.psum(torch.tensor([True, rank == 0]), "i"),
+            "psum-tree": lax.psum({"a": torch.ones(2), "b": [torch.full((1,), float(rank))]}, "i"),
+            "psum-empty-axes": lax.psum(torch.full((2,), float(rank)), ()),
+            "axis_index": lax.axis_index("i"),
+            "axis_size": lax.axis_size("i"),
+            "psum_scatter-is-psum-at-index": (
+                lax.psum_scatter(torch.arange(float(world * 2)).reshape(world, 2) * (rank + 1), "i"),
+                lax.psum(torch.arange(float(world * 2)).reshape(world, 2) * (rank + 1), "i")[
+                    lax.axis_index("i")
+                ],
+            ),
+        }
+        try:
+            y = lax.pmax(torch.ones(2, requires_grad=True), "i")
+            y.sum().backward()
+            res["scalars"]["pmax-backward"] = "nothing raised"
+        except Exception as e:  # noqa: BLE001
+            res["scalars"]["pmax-backward"] = f"{type(e).__name__}: {e}"
+    if world == 4:
+        with lax.mesh(meshes["dp_tp"]):
+            res["scalars"]["axis_index-dp_tp"] = lax.axis_index(("dp", "tp"))
+            res["scalars"]["axis_index-tp_dp"] = lax.axis_index(("tp", "dp"))
+            res["scalars"]["axis_size-dp_tp"] = lax.axis_size(("dp", "tp"))
+    for per in (1, 2):
+        try:
+            args = ragged_args(world, rank, per)
+            args["operand"].requires_grad_()
+            args["output"].requires_grad_()
+            with lax.mesh(meshes["dp_tp"] if world == 4 else meshes["i"]):
+                y = lax.ragged_all_to_all(**args, axis_name=("dp", "tp") if world == 4 else "i")
+            y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, rank))
+            res[f"ragged-{per}"] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
+        except Exception:  # noqa: BLE001
+            res[f"ragged-{per}"] = {"error": traceback.format_exc(limit=-6)}
+    if world == 2:  # JAX's docstring example, exactly
+        a = {0: ([1, 2, 2], [0, 1], [1, 2], [0, 0], [1, 1]), 1: ([3, 4, 0], [0, 1], [1, 1], [1, 2], [2, 1])}[
+            rank
+        ]
+        with lax.mesh(meshes["i"]):
+            res["ragged-jax-example"] = lax.ragged_all_to_all(
+                torch.tensor(a[0]),
+                torch.zeros(4, dtype=torch.int64),
+                *map(torch.tensor, a[1:]),
+                axis_name="i",
+            )
+    if world == 4:
+        for case in map_cases():
+            try:
+                res[case.id] = run_map_case(case, meshes["dp_tp"])
+            except Exception:  # noqa: BLE001
+                res[case.id] = {"error": traceback.format_exc(limit=-8)}
+    return res
+
+
+batch = once_per_world(body, TIMEOUT_S)
+
+
+def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
+    got = res[key]
+    assert "error" not in got, f"rank {rank}, {key}:\n{got['error']}"
+    return got
+
+
+# ---------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize(
+    "world,case",
+    [(w, c) for w in WORLDS for c in lax_cases(w)],
+    ids=lambda v: v if isinstance(v, int) else v.id,
+)
+def test_lax_op_matches_single_process_reference(world: int, case: Case) -> None:
+    results = batch(world)
+    xs = [x_of(case, r).requires_grad_(case.grad) for r in range(world)]
+    ys = []
+    for r in range(world):
+        group = members(r, world, case.mesh, case.axis)
+        ys.append(reference(case, [xs[m] for m in group], group.index(r)))
+    for r in range(world):
+        got = _ok(results[r], r, case.id)
+        torch.testing.assert_close(got["y"], ys[r].detach(), msg=lambda m, r=r: f"rank {r}: {m}")
+    if case.grad:
+        loss = sum((y * seeded(tuple(y.shape), F64, case.id, "w", r)).sum() for r, y in enumerate(ys))
+        grads = torch.autograd.grad(loss, xs, allow_unused=True, materialize_grads=True)
+        for r in range(world):
+            torch.testing.assert_close(
+                results[r][case.id]["grad"], grads[r], msg=lambda m, r=r: f"rank {r}: {m}"
+            )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_scalars_pytrees_and_indices_follow_jax(world: int) -> None:
+    results = batch(world)
+    for r in range(world):
+        s = results[r]["scalars"]
+        assert s["psum-1"] == world  # JAX: psum(1, axis) is the axis size
+        assert s["pmean-2.5"] == pytest.approx(2.5)
+        assert s["psum-bool"].dtype == torch.int32 and s["psum-bool"].tolist() == [
+            world,
+            1,
+        ]  # bools summed as int32
+        torch.testing.assert_close(s["psum-tree"]["a"], torch.full((2,), float(world)))
+        torch.testing.assert_close(s["psum-tree"]["b"][0], torch.full((1,), float(sum(range(world)))))
+        torch.testing.assert_close(s["psum-empty-axes"], torch.full((2,), float(r)))  # no axis: x itself
+        assert (s["axis_index"], s["axis_size"]) == (r, world)
+        torch.testing.assert_close(*s["psum_scatter-is-psum-at-index"])  # JAX's definition of psum_scatter
+        assert (
+            s["pmax-backward"].startswith("NotImplementedError")
+            and "no gradient for op='max'" in s["pmax-backward"]
+        )
+        if world == 4:  # row-major over the named axes, whatever their order (JAX's axis_index of a tuple)
+            dp, tp = divmod(r, 2)
+            assert s["axis_index-dp_tp"] == dp * 2 + tp
+            assert s["axis_index-tp_dp"] == tp * 2 + dp
+            assert s["axis_size-dp_tp"] == 4
+
+
+def test_ragged_all_to_all_is_jax_docstring_example() -> None:
+    results = batch(2)
+    assert results[0]["ragged-jax-example"].tolist() == [1, 3, 0, 0]
+    assert results[1]["ragged-jax-example"].tolist() == [2, 2, 4, 0]
+
+
+@pytest.mark.parametrize("per", [1, 2], ids=lambda p: f"slices_per_rank{p}")
+@pytest.mark.parametrize("world", WORLDS)
+def test_ragged_all_to_all_matches_jax_pseudocode(world: int, per: int) -> None:
+    results = batch(world)
+    args = [ragged_args(world, r, per) for r in range(world)]
+    for a in args:
+        a["operand"].requires_grad_()
+        a["output"].requires_grad_()
+    want = ragged_reference(args, per)
+    loss = sum((y * seeded(tuple(y.shape), F64, "ragged-w", per, r)).sum() for r, y in enumerate(want))
+    leaves = [t for a in args for t in (a["operand"], a["output"])]
+    grads = torch.autograd.grad(loss, leaves)
+    for r in range(world):
+        got = _ok(results[r], r, f"ragged-{per}")
+        torch.testing.assert_close(got["y"], want[r].detach())  # the shape is output's: static
+        torch.testing.assert_close(got["grads"][0], grads[2 * r])
+        torch.testing.assert_close(got["grads"][1], grads[2 * r + 1])
+
+
+@pytest.mark.parametrize("case", map_cases(), ids=lambda c: c.id)
+def test_shard_map_matches_global_function(case: MapCase) -> None:
+    results = batch(4)
+    want = map_reference(case)
+    out_specs = (
+        case.out_specs
+        if isinstance(case.out_specs, tuple) and not isinstance(case.out_specs, P)
+        else (case.out_specs,)
+    )
+    for r in range(4):
+        got = _ok(results[r], r, case.id)
+        for k, (o, w) in enumerate(zip(got["outs"], want["outs"], strict=True)):
+            torch.testing.assert_close(o, w, msg=lambda m, r=r, k=k: f"rank {r}, output {k}: {m}")
+        for k, (g, w) in enumerate(zip(got["grads"], want["grads"], strict=True)):
+            torch.testing.assert_close(g, w, msg=lambda m, r=r, k=k: f"rank {r}, gradient {k}: {m}")
+        for spec, placements in zip(out_specs, got["placements"], strict=True):
+            expected = ["R", "R"]
+            for d, entry in enumerate(spec):
+                for a in entry if isinstance(entry, tuple) else (entry,):
+                    if a is not None:
+                        expected[("dp", "tp").index(a)] = f"S({d})"
+            assert placements == expected, (spec, placements)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_calls_raise_before_communicating(world: int) -> None:
+    results = batch(world)
+    for r in range(world):
+        for name, message in results[r]["errors"].items():
+            assert message.startswith(EXPECTED_ERRORS[name]), f"rank {r}, {name}: {message}"
+    assert "i'," in EXPECTED_ERRORS["unknown-axis"]  # the message lists the known axes
