@@ -1,0 +1,74 @@
+"""The main job, ``python -m funcoll.demo``: the training demo agrees with its reference, and the tour passes.
+
+The demo runs in-process through its entry function (``funcoll.demo.main``), which
+starts its own gloo ranks, with few steps: the compiled run's compile is most of
+its time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from funcoll import _demo_train as train
+from funcoll import demo
+
+
+def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """4 steps on 2 ranks: exit 0, agreement with the reference, 0 graph breaks, 1 compile per rank."""
+    captured: dict[str, Any] = {}
+    real_run_ranks = demo.run_ranks
+
+    def keep_runs(*args: Any, **kwargs: Any) -> Any:
+        captured["runs"] = real_run_ranks(*args, **kwargs)
+        return captured["runs"]
+
+    monkeypatch.setattr(demo, "run_ranks", keep_runs)
+    assert demo.main(["--world", "2", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: the three runs match the single-process reference" in out
+    (compiled,) = [
+        line.split() for line in out.splitlines() if line.startswith("  funcoll compiled (aot_eager)")
+    ]
+    assert compiled[5:7] == ["0/0", "1/1"], compiled  # graph breaks, compiles per rank
+
+    runs = captured["runs"]
+    assert len(runs) == 2 and all(set(r) == set(train.MODES) for r in runs)
+    for r in runs:
+        assert [len(r[m].losses) for m in train.MODES] == [4, 4, 4]
+        assert all(math.isfinite(x) for m in train.MODES for x in r[m].losses)
+
+    # A run that drifts from the reference by more than the tolerance fails the demo.
+    runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
+    assert demo.report(train.Config(steps=4), 2, "gloo", runs) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_tour_still_passes(capsys: Any) -> None:
+    """``--tour``: every op eager and compiled on 2 ranks, checked against single-process results."""
+    assert demo.main(["--tour", "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all results match the single-process reference" in out
+    assert "FAIL" not in out
+
+
+def test_shards_are_ragged_and_cover_the_sequence() -> None:
+    """The data: every step's shards concatenate to its sequence, lengths vary, and some rank holds 0."""
+    cfg = train.Config(steps=6)
+    lengths = set()
+    for step in range(cfg.steps):
+        whole = train.global_batch(cfg, step)
+        parts = [train.rank_batch(cfg, step, r, 3) for r in range(3)]
+        sizes = parts[0][1]
+        assert sum(sizes) == whole.tokens.shape[0]
+        assert all(p.tokens.shape[0] == n for (p, _), n in zip(parts, sizes, strict=True))
+        assert all(
+            p.tokens.tolist() == whole.tokens[sum(sizes[:r]) :][: sizes[r]].tolist()
+            for r, (p, _) in enumerate(parts)
+        )
+        lengths.add(whole.tokens.shape[0])
+        if step % 3 == 2:
+            assert 0 in sizes
+    assert len(lengths) > 1
