@@ -3,21 +3,31 @@
 Each rank holds a different number of tokens (here 5 and 2). ``funcoll.from_ragged``
 lays them out as a ``Shard(0)`` DTensor in DTensor's own layout (4 and 3 rows),
 moving only the one row that changes owner; a funcoll op works on the DTensor; and
-``funcoll.to_ragged`` gives every rank its own tokens back.
+``funcoll.to_ragged`` gives every rank its own tokens back. The program checks both
+against the tokens every rank can compute alone, and exits non-zero on a mismatch.
+
+``tests/test_dtensor.py`` runs it under torchrun as above. Without a launcher it
+starts its own gloo ranks (``funcoll.testing.run_ranks``)::
+
+    python examples/dtensor_ragged.py --world 2
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcoll
+from funcoll.testing import RankError, run_ranks
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(rank: int, world: int) -> None:
+    """One rank's part, on an initialized process group; raises ``AssertionError`` on a mismatch."""
     mesh = init_device_mesh("cpu", (world,))
     lengths = [5 if r % 2 == 0 else 2 for r in range(world)]
     start = sum(lengths[:rank])
@@ -31,9 +41,27 @@ def main() -> None:
     back = funcoll.to_ragged(x * 10, sizes)  # every rank its own tokens, times 10
     assert torch.equal(back, tokens * 10)
     print(f"rank {rank}: got its {back.shape[0]} tokens back")
-    dist.barrier()  # no rank tears gloo down while its peer still reads: that aborts the peer
-    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--world", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
+        dist.init_process_group("gloo")
+        try:
+            run(dist.get_rank(), dist.get_world_size())
+            dist.barrier()  # no rank tears gloo down while its peer still reads: that aborts the peer
+        finally:
+            dist.destroy_process_group()
+        return 0
+    try:
+        run_ranks(run, args.world, timeout=120)
+    except (RankError, TimeoutError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
