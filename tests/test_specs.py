@@ -85,3 +85,10 @@ def test_every_compat_helper_names_itself_in_collective_failures() -> None:
 
     for name in compat.__all__:
         assert getattr(getattr(compat, name), "funcoll_op", None) == f"compat.{name}", name
+
+
+def test_every_moe_op_names_itself_in_collective_failures() -> None:
+    from funcoll import moe
+
+    for name in ("dispatch", "combine"):
+        assert getattr(getattr(moe, name), "funcoll_op", None) == f"moe.{name}", name

@@ -1,0 +1,456 @@
+"""Mixture-of-experts token dispatch and combine: dropless, differentiable, one compiled graph.
+
+``dispatch`` sends every (token, choice) pair of a top-k router to the rank that
+owns its expert and lays the rows out as a grouped GEMM takes them; ``combine``
+brings the experts' outputs back and sums each token's k outputs weighted by its
+router weights. Both are compositions of funcoll collectives whose backwards
+exist (``all_to_all``, ``all_to_all_v``'s primitive, ``all_to_all_padded``) and of local row
+moves (``index_select``, a weighted sum over the k choices), so autograd gives
+the adjoints: the backward of dispatch moves gradients the way combine moves
+outputs (unweighted), and the backward of combine moves them the way dispatch
+moves tokens.
+
+Layout. ``E = num_experts`` experts split evenly over the group's ``world``
+ranks: rank r owns the ``E_local = E // world`` experts ``[r * E_local, (r + 1) *
+E_local)``, local expert e being global expert ``r * E_local + e``. Token t's
+choice j (``topk_idx[t, j]``) is one row. The rows a rank receives are grouped by
+local expert (expert-major), then by source rank, then in the source's token
+order (t, then j), each expert's block padded with zero rows to a multiple of
+`align`: expert e's rows sit at ``[offsets[e], offsets[e] + counts[e])``.
+
+Modes, and where each reads the device on the host:
+
+- ``"exact"``: the per-expert counts travel in one small even ``all_to_all``,
+  are read on the host once (the one device-to-host sync per dispatch: an
+  uneven all-to-all takes its splits as host ints), and the rows move by
+  ``all_to_all_v``'s differentiable primitive with both size lists given (no
+  size exchange, and no sizes tensor built from host ints). Nothing is padded
+  on the wire and nothing is dropped. ``combine`` reads nothing on the host: it
+  reuses the host sizes kept in the handle. Compiled, the sizes are unbacked
+  SymInts and the graph is the same for every routing.
+- ``"static"``: every (source, destination) pair sends a block of `capacity`
+  rows by ``all_to_all_padded``; nothing is read on the host and every shape is
+  static. A rank's rows beyond `capacity` for one destination are dropped: the
+  first `capacity` of them in token-major order (t, then j) are kept, and the
+  dropped count is returned on the device in ``handle.dropped``. A dropped
+  pair contributes zero to its token's combined output. ``capacity=None`` is
+  the dropless bound ``T * k`` (every rank must then hold the same ``T``): each
+  rank's receive buffer is ``world * T * k`` rows of ``H``. (On the wire each
+  block has one spare row more, never data.)
+
+There is no ``"auto"`` mode: choosing between the two on every rank alike needs
+a host read of an overflow flag every step, exact mode's one sync already, and
+a compiled graph cannot hold both paths (docs/moe.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _even, _prims, _static
+from ._checks import IntLike, check_tensor
+from ._faults import public_op
+from ._group import Group, GroupLike, resolve_group
+from ._header import host_ints
+
+__all__ = ["MODES", "MoEHandle", "combine", "dispatch"]
+
+MODES = ("exact", "static")
+
+
+@dataclass(frozen=True)
+class MoEHandle:
+    """What :func:`combine` needs to undo a :func:`dispatch`: returned by it, read by combine.
+
+    Attributes:
+        mode: ``"exact"`` or ``"static"``.
+        tokens: ``T``, this rank's token count.
+        topk: ``k``, the choices per token.
+        num_experts: ``E``, over every rank.
+        capacity: rows per (source, destination) block in static mode; None in exact mode.
+        align: each expert's block in ``recv`` is padded to a multiple of it.
+        group: the communicator, as passed to dispatch.
+        counts: int64 ``(E_local,)`` on ``x``'s device: the rows each local expert received.
+        offsets: int64 ``(E_local,)``: where each local expert's block starts in ``recv``.
+        dropped: int64 0-d: this rank's (token, choice) pairs dropped for capacity (0 in exact mode).
+        send_index: per row sent, the token it is (a padding slot of static mode:
+            any token, whose row all_to_all_padded ignores).
+        recv_source: per row of ``recv``, the received row it holds (outside the
+            experts' blocks: a zero row).
+        back_index: per row combine sends back, the row of ``y`` it carries.
+        row_of: per (token, choice) pair, token-major, the returned row holding its
+            output (dropped: a zero row).
+        send_sizes: exact mode: rows sent to each rank, host ints.
+        recv_sizes: exact mode: rows received from each rank, host ints.
+        recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
+    """
+
+    mode: str
+    tokens: int
+    topk: int
+    num_experts: int
+    capacity: int | None
+    align: int
+    group: GroupLike
+    counts: Tensor
+    offsets: Tensor
+    dropped: Tensor
+    send_index: Tensor
+    recv_source: Tensor
+    back_index: Tensor
+    row_of: Tensor
+    send_sizes: list[int] | None = None
+    recv_sizes: list[int] | None = None
+    recv_counts: Tensor | None = None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_dispatch_args(
+    x: object,
+    topk_idx: object,
+    num_experts: object,
+    world: int,
+    mode: object,
+    capacity: object,
+    align: object,
+) -> tuple[Tensor, Tensor]:
+    """Every argument check of :func:`dispatch`, before any communication."""
+    opname = "funcoll.moe.dispatch"
+    x = check_tensor(opname, "x", x)
+    topk_idx = check_tensor(opname, "topk_idx", topk_idx)
+    if x.dim() != 2:
+        raise ValueError(f"{opname}: `x` must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"{opname}: `topk_idx` must be 2-D (tokens, k), got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"{opname}: `topk_idx` must hold integer expert ids, got dtype {topk_idx.dtype}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError(
+            f"{opname}: `topk_idx` has shape {tuple(topk_idx.shape)}: each token needs k >= 1 choices"
+        )
+    if isinstance(x.shape[0], int) and isinstance(topk_idx.shape[0], int) and x.shape[0] != topk_idx.shape[0]:
+        raise ValueError(
+            f"{opname}: `topk_idx` has {topk_idx.shape[0]} rows but `x` has {x.shape[0]} tokens: one row per token"
+        )
+    torch._check(x.shape[0] == topk_idx.shape[0])
+    if not _is_int(num_experts):
+        raise TypeError(f"{opname}: `num_experts` must be an int, got {type(num_experts).__name__}")
+    if num_experts <= 0 or num_experts % world:  # type: ignore[operator]
+        raise ValueError(
+            f"{opname}: `num_experts`={num_experts} must be a positive multiple of the group's {world} ranks "
+            f"(each rank owns num_experts // world experts)"
+        )
+    if mode not in MODES:
+        raise ValueError(f"{opname}: `mode`={mode!r} is not one of {MODES}")
+    if capacity is not None:
+        if not _is_int(capacity):
+            raise TypeError(f"{opname}: `capacity` must be an int or None, got {type(capacity).__name__}")
+        if capacity < 0:  # type: ignore[operator]
+            raise ValueError(f"{opname}: `capacity`={capacity} must be >= 0 (rows per destination rank)")
+        if mode == "exact":
+            raise ValueError(
+                f"{opname}: `capacity`={capacity} is for mode='static'; mode='exact' drops nothing"
+            )
+    if not _is_int(align):
+        raise TypeError(f"{opname}: `align` must be an int, got {type(align).__name__}")
+    if align < 1:  # type: ignore[operator]
+        raise ValueError(f"{opname}: `align`={align} must be >= 1")
+    return x, topk_idx
+
+
+def _count(index: Tensor, n: int, weight: Tensor | None = None) -> Tensor:
+    """How many entries of `index` (int64) equal each of ``0 .. n-1``, without a host sync.
+
+    ``torch.bincount`` reads its input's max on the host; a scatter-add does not.
+    `weight` (0/1 int64) counts only some entries.
+    """
+    ones = torch.ones_like(index) if weight is None else weight
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, ones)
+
+
+def _exclusive(t: Tensor, dim: int = 0) -> Tensor:
+    return torch.cumsum(t, dim) - t
+
+
+def _inverse(perm: Tensor) -> Tensor:
+    """The inverse permutation: ``_inverse(p)[p[i]] == i``."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
+
+
+def _take(t: Tensor, index: Tensor, spare: bool) -> Tensor:
+    """The rows `index` of `t`; with `spare`, index ``len(t)`` reads a zero row.
+
+    Without `spare` (every index a row of `t`) it is one ``index_select``; with it
+    `t` is first copied with one zero row after its rows, so that empty slots,
+    padding and dropped pairs read zeros without a mask.
+    """
+    if spare:
+        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+    return t.index_select(0, index)
+
+
+def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group) -> Tensor:
+    """Send ``send[j]`` of `rows` to rank j, receive ``recv[i]`` from rank i: all_to_all_v's move.
+
+    The sizes are host ints already, so this is ``all_to_all_v(rows, send, recv)``'s
+    primitive (its backward: the same with the sizes swapped) without the
+    ``recv_sizes`` tensor that op also returns: on CUDA, building that tensor from
+    host ints is a blocking host-to-device copy, which combine must not pay.
+    """
+    if g.is_single:
+        return rows
+    torch._check(sum(send) == rows.shape[0])
+    return _prims.all_to_all_p(rows, recv, send, g.name)
+
+
+def _expert_layout(
+    recv_counts: Tensor,
+    n_in: int | torch.SymInt,
+    rows: int | torch.SymInt,
+    align: int,
+    none: int | torch.SymInt,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Where each received row goes in the expert-major layout: (recv_source, dest, counts, offsets).
+
+    `recv_counts` ``(world, E_local)``: rows received from each source for each local
+    expert. The `n_in` received rows arrive source-major, then by local expert, so
+    row i is in block ``b = source * E_local + e``. Its place in the layout is
+    ``offsets[e] + (rows from earlier sources for e) + (its index in its block)``.
+    Returns, for each of the `rows` layout rows, the received row it holds
+    (`none` if none: the index of a zero row), for each received row its layout
+    row (`rows` for a padding row), each expert's count and its block's start.
+    """
+    world, e_local = recv_counts.shape
+    device = recv_counts.device
+    counts = recv_counts.sum(0)
+    padded = (counts + (align - 1)) // align * align
+    offsets = _exclusive(padded)
+    flat = recv_counts.reshape(-1)
+    ends = torch.cumsum(flat, 0)
+    i = torch.arange(n_in, device=device)
+    block = torch.searchsorted(ends, i, right=True)  # world * E_local past the data: padding
+    valid = block < world * e_local
+    block = block.clamp(max=world * e_local - 1)
+    e = block % e_local
+    before = _exclusive(recv_counts, 0).reshape(-1)  # rows for the same expert from earlier sources
+    dest = offsets[e] + before[block] + (i - (ends[block] - flat[block]))
+    dest = torch.where(valid, dest, rows)  # padding rows land on the spare row
+    source = torch.full((rows + 1,), none, dtype=torch.int64, device=device).scatter_(0, dest, i)[:rows]
+    return source, dest, counts, offsets
+
+
+@public_op("moe.dispatch")
+def dispatch(
+    x: Tensor,
+    topk_idx: Tensor,
+    num_experts: int,
+    *,
+    group: GroupLike = None,
+    mode: str = "exact",
+    capacity: int | None = None,
+    align: int = 1,
+) -> tuple[Tensor, MoEHandle]:
+    """Send each token's k routed copies to the ranks of their experts, grouped by local expert.
+
+    Args:
+        x: ``(T, H)`` this rank's tokens (any ``T >= 0``, the same ``H`` and dtype on every rank).
+        topk_idx: ``(T, k)`` integer expert ids in ``[0, num_experts)``: token t's
+            choice j goes to expert ``topk_idx[t, j]`` on rank ``topk_idx[t, j] // E_local``.
+        num_experts: ``E``, a positive multiple of the group's size; rank r owns
+            experts ``[r * E_local, (r + 1) * E_local)`` with ``E_local = E // world``.
+        group: the communicator.
+        mode: ``"exact"`` (sizes read on the host once, nothing dropped) or
+            ``"static"`` (static shapes, no host read, a capacity per destination).
+        capacity: static mode: rows each rank may send to each rank (``C``); the
+            first ``C`` pairs in token-major order are kept, the rest dropped and
+            counted in ``handle.dropped``. None: ``T * k``, dropless (every rank
+            must then hold the same ``T``). Must be None in exact mode.
+        align: each local expert's block in ``recv`` starts at a multiple of it
+            and is padded with zero rows to one.
+
+    Returns:
+        ``(recv, handle)``. ``recv`` is ``(R, H)``: local expert 0's rows, then
+        expert 1's, ...; within an expert, rows from rank 0 first, each source's
+        rows in its token order. ``handle.counts`` (int64 ``(E_local,)`` on ``x``'s
+        device) holds each expert's true row count and ``handle.offsets`` where its
+        block starts; rows outside the blocks are zero. Exact mode: ``R`` is the sum
+        of the counts, each rounded up to `align` (a data-dependent size: an
+        unbacked SymInt when compiled). Static mode: ``R = world * C + E_local *
+        (align - 1)`` rounded up to `align`, a static size.
+
+    Host syncs: exact mode reads ``E + world * E_local`` counts on the host once
+    (an uneven all-to-all takes its splits as host ints); static mode reads nothing.
+
+    Backward: combine's data movement without the weights: the gradient rows of
+    ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
+    or ``all_to_all_padded`` of the re-blocked gradient) and each token's gradient
+    is the sum over its k copies (the adjoint of the row gather); padding and
+    dropped pairs give zero.
+
+    Example (2 ranks, E = 4, so E_local = 2, k = 1)::
+
+        # rank 0: x = [[1], [2], [3]], topk_idx = [[3], [0], [2]]
+        # rank 1: x = [[4], [5]],      topk_idx = [[1], [0]]
+        recv, handle = dispatch(x, topk_idx, 4)
+        # rank 0: recv = [[2], [5], [4]]   handle.counts = [2, 1]   (expert 0: 2 from rank 0, 5 from rank 1)
+        # rank 1: recv = [[3], [1]]        handle.counts = [1, 1]   (expert 2: 3; expert 3: 1)
+        recv, handle = dispatch(x, topk_idx, 4, align=2)
+        # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]
+    """
+    opname = "funcoll.moe.dispatch"
+    g = resolve_group(opname, group)
+    x, topk_idx = _check_dispatch_args(x, topk_idx, num_experts, g.size, mode, capacity, align)
+    world = g.size
+    e_local = num_experts // world
+    tokens, k = x.shape[0], topk_idx.shape[1]
+    device = x.device
+    expert = topk_idx.to(device=device, dtype=torch.int64).reshape(-1)  # pair f = t * k + j
+    torch._assert_async(
+        ((expert >= 0) & (expert < num_experts)).all(),
+        f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
+    )
+    dest = expert // e_local
+    n_pairs = expert.shape[0]
+    pairs = torch.arange(n_pairs, device=device)
+    spare_send = False  # whether x needs a zero row appended (static mode, no tokens)
+    if mode == "exact":
+        keep = None
+        # By expert: so by destination rank, then local expert, then pair (token-major).
+        order = torch.sort(expert, stable=True).indices
+        row_of = _inverse(order)
+        send_index = order // k
+    else:
+        cap = n_pairs if capacity is None else capacity
+        by_dest = torch.sort(dest, stable=True).indices  # token-major within each destination
+        position = torch.empty_like(pairs).scatter_(
+            0, by_dest, pairs - _exclusive(_count(dest, world))[dest[by_dest]]
+        )  # the pair's place among this rank's pairs for its destination
+        keep = position < cap
+        # On the wire each block has one row more than `cap`, never data: the packed
+        # rows that come back always end in a zero row, which empty and dropped
+        # entries read instead of a zero row appended by a copy.
+        block = cap + 1
+        order = torch.sort(torch.where(keep, expert, num_experts), stable=True).indices  # kept first
+        packed = _inverse(order)  # a kept pair's row in the packed rows combine gets back
+        sent = _count(dest, world, keep.to(torch.int64))
+        slot = dest * block + packed - _exclusive(sent)[dest]
+        slot = torch.where(keep, slot, world * block)
+        row_of = torch.where(keep, packed, world * block - 1)  # dropped: the zero row
+        pair_of_slot = torch.full((world * block + 1,), n_pairs, dtype=torch.int64, device=device)
+        pair_of_slot = pair_of_slot.scatter_(0, slot, pairs)[: world * block]
+        # Padding slots may hold any row (all_to_all_padded ignores them, and gives them
+        # no gradient): token 0's, unless this rank has no token.
+        spare_send = not (isinstance(tokens, int) and tokens > 0)  # index `tokens`: the zero row
+        send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens if spare_send else 0)
+    per_expert = _count(expert, num_experts, None if keep is None else keep.to(torch.int64))
+    # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
+    recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+    send_rows = _take(x, send_index, spare=spare_send)
+    if mode == "exact":
+        # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
+        # host ints. One read for this rank's counts and what it receives.
+        ints = host_ints(torch.cat([per_expert, recv_counts.reshape(-1)]))
+        mine = ints[:num_experts]
+        send_sizes = [sum(mine[d * e_local : (d + 1) * e_local]) for d in range(world)]
+        got = ints[num_experts:]
+        recv_sizes = [sum(got[s * e_local : (s + 1) * e_local]) for s in range(world)]
+        n_in = sum(recv_sizes)
+        rows = sum(
+            (sum(got[s * e_local + e] for s in range(world)) + align - 1) // align * align
+            for e in range(e_local)
+        )
+        recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
+        source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
+        back_index = dest_of  # every received row is data: no index past the rows of y
+        dropped = torch.zeros((), dtype=torch.int64, device=device)
+        extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
+    else:
+        n_in = world * block  # at most world * cap of them data: the last row is zero
+        rows = -(-(world * cap + e_local * (align - 1)) // align) * align
+        recv, got_from = _static.all_to_all_padded(send_rows, sent, group=group)
+        source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in - 1)
+        # The rows combine sends back, in blocks of `block` per source rank: source s's j-th
+        # row is received row (rows from earlier sources) + j, if j < what s sent; the
+        # padding slots may hold any row of y (row 0), or, if y has none, a zero row.
+        q = torch.arange(n_in, device=device)
+        s, j = q // block, q % block
+        valid = j < got_from[s]
+        back_index = torch.where(valid, dest_of[(_exclusive(got_from)[s] + j).clamp(max=n_in - 1)], 0)
+        dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
+        extra = {"recv_counts": got_from}
+    out = _take(recv, source, spare=mode == "exact" and align > 1)
+    handle = MoEHandle(
+        mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
+        align=align, group=group, counts=counts, offsets=offsets, dropped=dropped, send_index=send_index,
+        recv_source=source, back_index=back_index, row_of=row_of, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return out, handle
+
+
+@public_op("moe.combine")
+def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
+    """Bring the experts' outputs back to their tokens and sum each token's k of them, weighted.
+
+    Args:
+        y: ``(R, H')`` the experts' outputs in the layout of :func:`dispatch`'s ``recv``
+            (rows outside the experts' blocks are ignored).
+        handle: what dispatch returned with ``recv``.
+        topk_weights: ``(T, k)`` the router's weights, on ``y``'s device.
+
+    Returns:
+        ``(T, H')``: ``out[t] = sum_j topk_weights[t, j] * y_row(t, j)``, where
+        ``y_row(t, j)`` is the row dispatch made of token t's choice j (zero for a
+        pair dropped in static mode), in this rank's token order.
+
+    Host syncs: none (exact mode reuses the host sizes in `handle`).
+
+    Backward: dispatch's data movement: each token's gradient, scaled by each of
+    its k weights, goes to its expert's rank and row (``all_to_all_v`` with the
+    sizes swapped, or ``all_to_all_padded``); the gradient of ``topk_weights[t, j]``
+    is the dot product of the output's gradient with ``y_row(t, j)``.
+
+    Example (2 ranks, continuing :func:`dispatch`'s, the experts the identity)::
+
+        # rank 0: topk_weights = [[0.5], [1.0], [2.0]]   rank 1: topk_weights = [[1.0], [1.0]]
+        combine(recv, handle, topk_weights)
+        # rank 0: [[0.5], [2.0], [6.0]]   rank 1: [[4.0], [5.0]]
+    """
+    opname = "funcoll.moe.combine"
+    y = check_tensor(opname, "y", y)
+    topk_weights = check_tensor(opname, "topk_weights", topk_weights)
+    if not isinstance(handle, MoEHandle):
+        raise TypeError(
+            f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
+        )
+    if y.dim() != 2:
+        raise ValueError(f"{opname}: `y` must be 2-D (rows, hidden), got shape {tuple(y.shape)}")
+    rows = handle.recv_source.shape[0]
+    if isinstance(y.shape[0], int) and isinstance(rows, int) and y.shape[0] != rows:
+        raise ValueError(
+            f"{opname}: `y` has {y.shape[0]} rows but dispatch's `recv` had {rows}: the same layout"
+        )
+    torch._check(y.shape[0] == rows)
+    want = (handle.tokens, handle.topk)
+    if tuple(topk_weights.shape) != want and all(isinstance(n, int) for n in topk_weights.shape):
+        raise ValueError(
+            f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected (T, k) = {want}"
+        )
+    # Every index is a row of y, and every index of row_of a row of what comes back
+    # (static mode: the rows after the data are zero), except when y has no rows.
+    back = _take(y, handle.back_index, spare=handle.mode == "static" and rows == 0)
+    if handle.mode == "exact":
+        assert handle.send_sizes is not None and handle.recv_sizes is not None
+        g = resolve_group(opname, handle.group)
+        returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
+    else:
+        assert handle.recv_counts is not None
+        returned, _ = _static.all_to_all_padded(back, handle.recv_counts, group=handle.group)
+    per_pair = _take(returned, handle.row_of, spare=False)
+    per_pair = per_pair.view(handle.tokens, handle.topk, y.shape[1])
+    return (per_pair * topk_weights.unsqueeze(-1).to(per_pair.dtype)).sum(1)

@@ -1,0 +1,445 @@
+"""Multi-rank tests of ``funcoll.moe`` (dispatch and combine) against a single-process MoE.
+
+Every case is a :class:`Case`: a world size, each rank's token count, the hidden
+size, top-k, experts per rank, `align`, the mode and capacity, and a routing
+pattern. Rank r rebuilds its tokens, routing and router weights from a generator
+seeded by (case, r), and the experts' weights ``W`` ``(E, H, H)`` from one seeded
+by the case, so the parent process rebuilds every rank's inputs and computes the
+reference itself: each pair (t, j) of rank r contributes ``w[t, j] * x[t] @
+W[e]`` to its token, unless static mode drops it (the first `capacity` pairs of
+each (source, destination) in token-major order are kept). The loss is
+``sum_r (out_r * G_r).sum()`` with fixed per-rank ``G_r``; float64 gradients of
+``x``, ``topk_weights`` and ``W`` are checked against autograd on the reference.
+``recv``'s layout (expert-major, then source rank, then token order, padded to
+`align` with zero rows), ``counts``, ``offsets`` and ``dropped`` are checked
+exactly. All cases of one world size run in ONE ``run_ranks`` call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import funcoll
+from funcoll import moe
+from funcoll.testing import run_ranks
+
+WORLDS = (2, 3, 4)
+SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "moe_layer.py"
+TIMEOUT = 180.0
+ROUTINGS = ("uniform", "skewed", "one_expert", "zero_experts")
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    tokens: tuple[int, ...]  # T on each rank
+    hidden: int
+    k: int
+    e_local: int
+    align: int
+    mode: str
+    routing: str
+    capacity: int | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.world * self.e_local
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(repr(self).encode())
+
+    @property
+    def id(self) -> str:
+        cap = "" if self.mode == "exact" else f"-cap{self.capacity}"
+        t = ".".join(map(str, self.tokens))
+        return (
+            f"w{self.world}-{self.mode}{cap}-{self.routing}-T{t}-H{self.hidden}-k{self.k}-El{self.e_local}"
+            f"-align{self.align}"
+        )
+
+
+def cases(world: int) -> list[Case]:
+    ragged = tuple((5 + 3 * r) % 8 for r in range(world))  # 5, 0, 3, 6: T=0 on rank 1
+    equal = (6,) * world
+    c = Case
+    return [
+        c(world, ragged, 5, 2, 2, 1, "exact", "uniform"),
+        c(world, ragged, 3, 1, 1, 4, "exact", "skewed"),
+        c(world, equal, 4, 2, 4, 1, "exact", "one_expert"),
+        c(world, ragged, 5, 2, 2, 4, "exact", "zero_experts"),
+        c(world, (0,) * world, 3, 2, 2, 1, "exact", "uniform"),  # no tokens anywhere
+        c(world, equal, 5, 2, 2, 1, "static", "uniform"),  # capacity None: dropless
+        c(world, ragged, 3, 1, 4, 4, "static", "skewed", capacity=2),  # drops
+        c(world, ragged, 4, 2, 1, 1, "static", "one_expert", capacity=3),  # drops, T=0 on a rank
+        c(world, equal, 5, 1, 2, 4, "static", "zero_experts"),
+        c(world, ragged, 3, 2, 2, 4, "static", "uniform", capacity=0),  # everything dropped
+        c(world, (63, *ragged[1:]), 30, 2, 2, 4, "exact", "skewed"),  # odd sizes
+        c(world, (63, *ragged[1:]), 30, 2, 4, 1, "static", "uniform", capacity=23),
+    ]
+
+
+CASES = {w: cases(w) for w in WORLDS}
+
+
+# ------------------------------------------------------------------------------------- inputs
+def gen(case: Case, *keys: int) -> torch.Generator:
+    return torch.Generator().manual_seed(case.seed * 31 + sum((i + 1) * 1009 * k for i, k in enumerate(keys)))
+
+
+def routing(case: Case, t: int, g: torch.Generator) -> Tensor:
+    """(t, k) expert ids for one rank."""
+    e = case.num_experts
+    if case.routing == "uniform":  # k distinct experts per token
+        return torch.rand(t, e, generator=g).argsort(1)[:, : case.k]
+    if case.routing == "skewed":  # low ids far likelier
+        probs = torch.tensor([0.6**i for i in range(e)], dtype=torch.float64)
+        if t == 0:
+            return torch.empty(0, case.k, dtype=torch.int64)
+        return torch.multinomial(probs.expand(t, e), case.k, replacement=False, generator=g)
+    if case.routing == "one_expert":  # every choice of every token: the last expert
+        return torch.full((t, case.k), e - 1, dtype=torch.int64)
+    # zero_experts: only the even experts get tokens, with repeats allowed
+    return 2 * torch.randint(0, (e + 1) // 2, (t, case.k), generator=g)
+
+
+def rank_inputs(case: Case, rank: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rank r's x (T, H), topk_idx (T, k), topk_weights (T, k) and loss weights G (T, H)."""
+    g = gen(case, 1, rank)
+    t = case.tokens[rank]
+    x = torch.randn(t, case.hidden, generator=g, dtype=torch.float64)
+    idx = routing(case, t, g)
+    w = torch.rand(t, case.k, generator=g, dtype=torch.float64)
+    loss_w = torch.randn(t, case.hidden, generator=g, dtype=torch.float64)
+    return x, idx, w, loss_w
+
+
+def expert_weights(case: Case) -> Tensor:
+    g = gen(case, 2)
+    return (
+        torch.randn(case.num_experts, case.hidden, case.hidden, generator=g, dtype=torch.float64)
+        / case.hidden
+    )
+
+
+def run_experts(recv: Tensor, counts: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
+    """Each local expert's block of `recv` through its weight, the rest zeros (a grouped GEMM, by hand)."""
+    pieces, at = [], 0
+    # Host reads in the test itself: the experts' loop bounds.
+    for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=True)):
+        pieces += [recv[at:o] * 0, recv[o : o + c] @ weights[e]]
+        at = o + c
+    pieces.append(recv[at:] * 0)
+    return torch.cat(pieces)
+
+
+# ---------------------------------------------------------------------------------------- ranks
+def run_case(case: Case, rank: int) -> dict[str, Any]:
+    x, idx, w, loss_w = rank_inputs(case, rank)
+    mine = slice(rank * case.e_local, (rank + 1) * case.e_local)
+    weights = expert_weights(case)[mine].clone().requires_grad_()
+    x.requires_grad_()
+    w.requires_grad_()
+    recv, h = moe.dispatch(x, idx, case.num_experts, mode=case.mode, capacity=case.capacity, align=case.align)
+    y = run_experts(recv, h.counts, h.offsets, weights)
+    out = moe.combine(y, h, w)
+    (out * loss_w).sum().backward()
+    return {
+        "recv": recv.detach(),
+        "counts": h.counts,
+        "offsets": h.offsets,
+        "dropped": h.dropped,
+        "out": out.detach(),
+        "dx": x.grad,
+        "dw": w.grad,
+        "dW": weights.grad,
+    }
+
+
+def run_errors(rank: int, world: int) -> dict[str, str]:
+    """Errors that need a group of `world` ranks: every rank raises the same, before communicating."""
+    got = {}
+    x, idx = torch.zeros(2, 3), torch.zeros(2, 1, dtype=torch.int64)
+    for name, kwargs in {"num_experts": {"num_experts": world + 1}}.items():
+        try:
+            moe.dispatch(x, idx, **kwargs)  # type: ignore[arg-type]
+        except ValueError as e:
+            got[name] = str(e)
+    return got
+
+
+def snippet() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("funcoll_docs_moe_layer", SNIPPET)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def docstring_example(rank: int) -> dict[str, Any]:
+    """The ``Example (2 ranks ...)`` blocks of dispatch and combine, as written there."""
+    x = [torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[4.0], [5.0]])][rank]
+    topk_idx = [torch.tensor([[3], [0], [2]]), torch.tensor([[1], [0]])][rank]
+    topk_weights = [torch.tensor([[0.5], [1.0], [2.0]]), torch.tensor([[1.0], [1.0]])][rank]
+    recv, handle = moe.dispatch(x, topk_idx, 4)
+    out = {"recv": recv.tolist(), "counts": handle.counts.tolist()}
+    out["combined"] = moe.combine(recv, handle, topk_weights).tolist()
+    recv, handle = moe.dispatch(x, topk_idx, 4, align=2)
+    out["aligned"], out["offsets"] = recv.tolist(), handle.offsets.tolist()
+    return out
+
+
+def run_batch(rank: int, world: int, batch: list[Case]) -> dict[str, Any]:
+    out = {"cases": [run_case(c, rank) for c in batch], "errors": run_errors(rank, world)}
+    if world == 2:  # docs/moe.md's layer and the docstrings' examples
+        out["snippet"] = {mode: snippet().step(rank, world, mode) for mode in ("exact", "static")}
+        out["example"] = docstring_example(rank)
+    return out
+
+
+# ------------------------------------------------------------------------------------ reference
+def kept(case: Case, idx: Tensor) -> Tensor:
+    """Static mode's rule: a rank keeps the first `capacity` pairs per destination, token-major."""
+    flat = idx.reshape(-1)
+    if case.mode == "exact":
+        return torch.ones_like(idx, dtype=torch.bool)
+    cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
+    seen = [0] * case.world
+    keep = []
+    for e in flat.tolist():
+        d = e // case.e_local
+        keep.append(seen[d] < cap)
+        seen[d] += 1
+    return torch.tensor(keep, dtype=torch.bool).view(idx.shape)
+
+
+def reference(case: Case) -> dict[str, Any]:
+    """Every rank's outputs, recv layouts and gradients, computed in one process."""
+    inputs = [rank_inputs(case, r) for r in range(case.world)]
+    weights = expert_weights(case).requires_grad_()
+    xs = [x.clone().requires_grad_() for x, *_ in inputs]
+    ws = [w.clone().requires_grad_() for _, _, w, _ in inputs]
+    outs, loss = [], torch.zeros((), dtype=torch.float64)
+    keeps = [kept(case, idx) for _, idx, _, _ in inputs]
+    for x, w, (_, idx, _, loss_w), keep in zip(xs, ws, inputs, keeps, strict=True):
+        y = torch.einsum("th,tkhg->tkg", x, weights[idx])
+        out = (y * (w * keep).unsqueeze(-1)).sum(1)
+        outs.append(out)
+        loss = loss + (out * loss_w).sum()
+    loss.backward()
+    recvs, counts, offsets, dropped = [], [], [], []
+    cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
+    for r in range(case.world):
+        blocks, c, o, at = [], [], [], 0
+        for e in range(r * case.e_local, (r + 1) * case.e_local):
+            rows = [
+                inputs[s][0][t]
+                for s in range(case.world)
+                for t, j in ((f // case.k, f % case.k) for f in range(case.tokens[s] * case.k))
+                if inputs[s][1][t, j] == e and keeps[s][t, j]
+            ]
+            n = len(rows)
+            pad = -(-n // case.align) * case.align - n
+            o.append(at)
+            c.append(n)
+            blocks += rows + [torch.zeros(case.hidden, dtype=torch.float64)] * pad
+            at += n + pad
+        recv = torch.stack(blocks) if blocks else torch.zeros(0, case.hidden, dtype=torch.float64)
+        if case.mode == "static":  # a static number of rows: zeros after the blocks
+            total = -(-(case.world * cap + case.e_local * (case.align - 1)) // case.align) * case.align
+            recv = torch.cat([recv, recv.new_zeros(total - recv.shape[0], case.hidden)])
+        recvs.append(recv)
+        counts.append(c)
+        offsets.append(o)
+        dropped.append(int((~keeps[r]).sum()))
+    return {
+        "out": [o.detach() for o in outs],
+        "dx": [x.grad for x in xs],
+        "dw": [w.grad for w in ws],
+        "dW": weights.grad,
+        "recv": recvs,
+        "counts": counts,
+        "offsets": offsets,
+        "dropped": dropped,
+    }
+
+
+# ------------------------------------------------------------------------------------- fixtures
+class Batches:
+    def __init__(self) -> None:
+        self._done: dict[int, dict[str, Any]] = {}
+
+    def get(self, world: int) -> dict[str, Any]:
+        if world not in self._done:
+            per_rank = run_ranks(run_batch, world, CASES[world], timeout=TIMEOUT)
+            self._done[world] = {
+                "cases": {c.id: [r["cases"][i] for r in per_rank] for i, c in enumerate(CASES[world])},
+                "errors": [r["errors"] for r in per_rank],
+                "snippet": [r.get("snippet") for r in per_rank],
+                "example": [r.get("example") for r in per_rank],
+            }
+        return self._done[world]
+
+
+@pytest.fixture(scope="module")
+def batches() -> Batches:
+    return Batches()
+
+
+# ---------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for w in WORLDS for c in CASES[w]])
+def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> None:
+    ranks = batches.get(case.world)["cases"][case.id]
+    ref = reference(case)
+    for r, got in enumerate(ranks):
+        where = f"{case.id} rank {r}"
+        exact = {"rtol": 0.0, "atol": 0.0}
+        torch.testing.assert_close(
+            got["recv"], ref["recv"][r], **exact, msg=lambda m, where=where: f"{where} recv: {m}"
+        )
+        assert got["counts"].dtype == torch.int64 and got["counts"].tolist() == ref["counts"][r], where
+        assert got["offsets"].tolist() == ref["offsets"][r], where
+        assert got["dropped"].dtype == torch.int64 and int(got["dropped"]) == ref["dropped"][r], where
+        torch.testing.assert_close(got["out"], ref["out"][r], msg=lambda m, where=where: f"{where} out: {m}")
+        torch.testing.assert_close(got["dx"], ref["dx"][r], msg=lambda m, where=where: f"{where} x.grad: {m}")
+        torch.testing.assert_close(
+            got["dw"], ref["dw"][r], msg=lambda m, where=where: f"{where} topk_weights.grad: {m}"
+        )
+        mine = slice(r * case.e_local, (r + 1) * case.e_local)
+        torch.testing.assert_close(
+            got["dW"], ref["dW"][mine], msg=lambda m, where=where: f"{where} W.grad: {m}"
+        )
+
+
+def test_some_static_case_drops() -> None:
+    """The capacities above are small enough that the static cases do drop pairs (the drop path runs)."""
+    assert any(sum(reference(c)["dropped"]) > 0 for c in CASES[2] if c.capacity)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=["w2", "w3"])
+def test_num_experts_must_divide(batches: Batches, world: int) -> None:
+    for errors in batches.get(world)["errors"]:
+        assert errors["num_experts"].startswith("funcoll.moe.dispatch: `num_experts`=")
+        assert f"{world} ranks" in errors["num_experts"]
+
+
+def test_docs_layer_matches_one_process(batches: Batches) -> None:
+    """docs/moe.md's layer (docs/snippets/moe_layer.py), in both modes, on 2 ranks."""
+    ref = snippet().reference(2)
+    for r, got in enumerate(batches.get(2)["snippet"]):
+        for mode, (out, grad) in got.items():
+            torch.testing.assert_close(
+                out, ref[r][0], msg=lambda m, mode=mode, r=r: f"rank {r} {mode} out: {m}"
+            )
+            torch.testing.assert_close(
+                grad, ref[r][1], msg=lambda m, mode=mode, r=r: f"rank {r} {mode} W.grad: {m}"
+            )
+
+
+def test_docstring_examples_hold(batches: Batches) -> None:
+    rank0, rank1 = batches.get(2)["example"]
+    assert rank0["recv"] == [[2.0], [5.0], [4.0]] and rank0["counts"] == [2, 1]
+    assert rank1["recv"] == [[3.0], [1.0]] and rank1["counts"] == [1, 1]
+    assert rank0["aligned"] == [[2.0], [5.0], [4.0], [0.0]] and rank0["offsets"] == [0, 2]
+    assert rank0["combined"] == [[0.5], [2.0], [6.0]] and rank1["combined"] == [[4.0], [5.0]]
+
+
+def test_benchmark_quick_run() -> None:
+    """benchmarks/bench_moe.py --quick (2 ranks, 64 tokens, one round): it runs, and its layers agree."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for method, syncs in (("titan", 1), ("funcoll.moe exact", 1), ("funcoll.moe static", 0)):
+        assert re.search(rf"\| 2 \| 64 \| {re.escape(method)} \|[^|]+\|[^|]+\| {syncs} \|", done.stdout), (
+            done.stdout
+        )
+
+
+def test_single_rank_without_process_group() -> None:
+    """No process group: every expert is local, and the result is the reference's."""
+    case = Case(1, (7,), 4, 2, 3, 4, "exact", "uniform")
+    for mode in ("exact", "static"):
+        c = Case(**{**case.__dict__, "mode": mode})
+        got = run_case(c, 0)
+        ref = reference(c)
+        torch.testing.assert_close(got["out"], ref["out"][0])
+        torch.testing.assert_close(got["recv"], ref["recv"][0])
+        torch.testing.assert_close(got["dx"], ref["dx"][0])
+        torch.testing.assert_close(got["dW"], ref["dW"])
+
+
+X, IDX = torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, start",
+    [
+        ({"x": torch.zeros(4)}, ValueError, "funcoll.moe.dispatch: `x` must be 2-D"),
+        ({"x": [[1.0]]}, TypeError, "funcoll.moe.dispatch: `x` must be a torch.Tensor"),
+        (
+            {"topk_idx": torch.zeros(4, dtype=torch.int64)},
+            ValueError,
+            "funcoll.moe.dispatch: `topk_idx` must be 2-D",
+        ),
+        (
+            {"topk_idx": IDX[:, :0]},
+            ValueError,
+            "funcoll.moe.dispatch: `topk_idx` has shape (4, 0): each token",
+        ),
+        ({"topk_idx": torch.zeros(4, 2)}, TypeError, "funcoll.moe.dispatch: `topk_idx` must hold integer"),
+        ({"topk_idx": IDX[:3]}, ValueError, "funcoll.moe.dispatch: `topk_idx` has 3 rows but `x` has 4"),
+        ({"num_experts": 2.0}, TypeError, "funcoll.moe.dispatch: `num_experts` must be an int"),
+        ({"num_experts": 0}, ValueError, "funcoll.moe.dispatch: `num_experts`=0 must be a positive multiple"),
+        ({"mode": "auto"}, ValueError, "funcoll.moe.dispatch: `mode`='auto' is not one of"),
+        ({"mode": "static", "capacity": -1}, ValueError, "funcoll.moe.dispatch: `capacity`=-1 must be >= 0"),
+        ({"mode": "static", "capacity": 2.5}, TypeError, "funcoll.moe.dispatch: `capacity` must be an int"),
+        ({"capacity": 4}, ValueError, "funcoll.moe.dispatch: `capacity`=4 is for mode='static'"),
+        ({"align": 0}, ValueError, "funcoll.moe.dispatch: `align`=0 must be >= 1"),
+        ({"align": True}, TypeError, "funcoll.moe.dispatch: `align` must be an int"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else None,
+)
+def test_dispatch_errors(kwargs: dict[str, Any], error: type, start: str) -> None:
+    args = {"x": X, "topk_idx": IDX, "num_experts": 4, **kwargs}
+    with pytest.raises(error) as info:
+        moe.dispatch(args.pop("x"), args.pop("topk_idx"), args.pop("num_experts"), **args)
+    assert str(info.value).startswith(start), str(info.value)
+
+
+def test_expert_id_out_of_range() -> None:
+    with pytest.raises(RuntimeError, match=r"funcoll.moe.dispatch: `topk_idx` holds an expert id outside"):
+        moe.dispatch(X, IDX + 4, 4)
+
+
+def test_combine_errors() -> None:
+    recv, h = moe.dispatch(X, IDX, 4)
+    w = torch.ones(4, 2)
+    with pytest.raises(ValueError, match=r"^funcoll.moe.combine: `y` has 9 rows but dispatch's `recv` had 8"):
+        moe.combine(torch.zeros(9, 3), h, w)
+    with pytest.raises(ValueError, match=r"^funcoll.moe.combine: `y` must be 2-D"):
+        moe.combine(torch.zeros(8), h, w)
+    with pytest.raises(ValueError, match=r"^funcoll.moe.combine: `topk_weights` has shape \(4, 1\)"):
+        moe.combine(recv, h, torch.ones(4, 1))
+    with pytest.raises(TypeError, match=r"^funcoll.moe.combine: `handle` must be the MoEHandle"):
+        moe.combine(recv, (1, 2), w)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^funcoll.moe.combine: `y` must be a torch.Tensor"):
+        moe.combine([1.0], h, w)  # type: ignore[arg-type]
+
+
+def test_public_submodule() -> None:
+    assert funcoll.moe is moe
+    assert "moe" not in funcoll.__all__
