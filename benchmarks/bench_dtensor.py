@@ -72,7 +72,7 @@ def _body(rank: int, world: int, mb: int, iters: int) -> dict[str, object]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # 2.13 renames all_gather_into_tensor
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.get_default_device().type, (world,))
     out: dict[str, object] = {}
 
     # 1. Shard(1) -> Shard(2)
