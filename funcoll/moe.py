@@ -4,7 +4,7 @@
 owns its expert and lays the rows out as a grouped GEMM takes them; ``combine``
 brings the experts' outputs back and sums each token's k outputs weighted by its
 router weights. Both are compositions of funcoll collectives whose backwards
-exist (``all_to_all``, ``all_to_all_v``'s primitive, ``all_to_all_padded``) and of local row
+exist (``all_to_all``, ``all_to_all_v``'s primitive) and of local row
 moves (``index_select``, a weighted sum over the k choices), so autograd gives
 the adjoints: the backward of dispatch moves gradients the way combine moves
 outputs (unweighted), and the backward of combine moves them the way dispatch
@@ -29,7 +29,8 @@ Modes, and where each reads the device on the host:
   reuses the host sizes kept in the handle. Compiled, the sizes are unbacked
   SymInts and the graph is the same for every routing.
 - ``"static"``: every (source, destination) pair sends a block of `capacity`
-  rows by ``all_to_all_padded``; nothing is read on the host and every shape is
+  rows in one even ``all_to_all`` (the counts are known from the counts'
+  exchange, so no header travels); nothing is read on the host and every shape is
   static. A rank's rows beyond `capacity` for one destination are dropped: the
   first `capacity` of them in token-major order (t, then j) are kept, and the
   dropped count is returned on the device in ``handle.dropped``. A dropped
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _even, _prims, _static
+from . import _even, _prims
 from ._checks import IntLike, check_tensor
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
@@ -77,7 +78,7 @@ class MoEHandle:
         offsets: int64 ``(E_local,)``: where each local expert's block starts in ``recv``.
         dropped: int64 0-d: this rank's (token, choice) pairs dropped for capacity (0 in exact mode).
         send_index: per row sent, the token it is (a padding slot of static mode:
-            any token, whose row all_to_all_padded ignores).
+            ``T``, a zero row after x's rows).
         recv_source: per row of ``recv``, the received row it holds (outside the
             experts' blocks: a zero row).
         back_index: per row combine sends back, the row of ``y`` it carries.
@@ -86,6 +87,7 @@ class MoEHandle:
         send_sizes: exact mode: rows sent to each rank, host ints.
         recv_sizes: exact mode: rows received from each rank, host ints.
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
+        kept: static mode: bool ``(T * k,)``, token-major: whether the pair was sent (not dropped).
     """
 
     mode: str
@@ -105,6 +107,7 @@ class MoEHandle:
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
     recv_counts: Tensor | None = None
+    kept: Tensor | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -289,7 +292,7 @@ def dispatch(
 
     Backward: combine's data movement without the weights: the gradient rows of
     ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
-    or ``all_to_all_padded`` of the re-blocked gradient) and each token's gradient
+    or the even ``all_to_all`` of the blocks) and each token's gradient
     is the sum over its k copies (the adjoint of the row gather); padding and
     dropped pairs give zero.
 
@@ -332,22 +335,21 @@ def dispatch(
             0, by_dest, pairs - _exclusive(_count(dest, world))[dest[by_dest]]
         )  # the pair's place among this rank's pairs for its destination
         keep = position < cap
-        # On the wire each block has one row more than `cap`, never data: the packed
-        # rows that come back always end in a zero row, which empty and dropped
-        # entries read instead of a zero row appended by a copy.
+        # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
+        # then zero rows; on the wire each block has one row more than `cap`, never
+        # data, so the last row of every received block is a zero row that empty
+        # layout rows read.
         block = cap + 1
         order = torch.sort(torch.where(keep, expert, num_experts), stable=True).indices  # kept first
-        packed = _inverse(order)  # a kept pair's row in the packed rows combine gets back
+        packed = _inverse(order)  # a kept pair's place among the kept pairs, by expert
         sent = _count(dest, world, keep.to(torch.int64))
-        slot = dest * block + packed - _exclusive(sent)[dest]
+        slot = dest * block + packed - _exclusive(sent)[dest]  # a kept pair's row in its block
         slot = torch.where(keep, slot, world * block)
-        row_of = torch.where(keep, packed, world * block - 1)  # dropped: the zero row
+        row_of = torch.where(keep, slot, 0)  # combine gets the blocks back as sent; dropped: masked
         pair_of_slot = torch.full((world * block + 1,), n_pairs, dtype=torch.int64, device=device)
         pair_of_slot = pair_of_slot.scatter_(0, slot, pairs)[: world * block]
-        # Padding slots may hold any row (all_to_all_padded ignores them, and gives them
-        # no gradient): token 0's, unless this rank has no token.
-        spare_send = not (isinstance(tokens, int) and tokens > 0)  # index `tokens`: the zero row
-        send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens if spare_send else 0)
+        spare_send = True  # padding slots read the zero row after x's rows (index `tokens`)
+        send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens)
     per_expert = _count(expert, num_experts, None if keep is None else keep.to(torch.int64))
     # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
     recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
@@ -371,19 +373,29 @@ def dispatch(
         dropped = torch.zeros((), dtype=torch.int64, device=device)
         extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
     else:
-        n_in = world * block  # at most world * cap of them data: the last row is zero
+        n_in = world * block  # block s from source s: its kept pairs by expert, then zero rows
         rows = -(-(world * cap + e_local * (align - 1)) // align) * align
-        recv, got_from = _static.all_to_all_padded(send_rows, sent, group=group)
-        source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in - 1)
-        # The rows combine sends back, in blocks of `block` per source rank: source s's j-th
-        # row is received row (rows from earlier sources) + j, if j < what s sent; the
-        # padding slots may hold any row of y (row 0), or, if y has none, a zero row.
+        # One even all_to_all of the blocks: the counts are known from the counts exchange,
+        # so nothing else travels (no header, no pack; the blocks stay where they land).
+        recv = _even.all_to_all(send_rows, group, 0, 0)
+        got_from = recv_counts.sum(1)  # rows of data in each received block
+        # The layout is computed over the received rows packed source-major (packed row
+        # p); block row q = s * block + j holds packed row start[s] + j when j < got_from[s].
+        start = _exclusive(got_from)
+        p = torch.arange(n_in, device=device)
+        s_of_p = torch.searchsorted(torch.cumsum(got_from, 0), p, right=True).clamp(max=world - 1)
+        row_of_p = torch.where(p < got_from.sum(), s_of_p * block + p - start[s_of_p], n_in - 1)
+        packed_source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
+        source = torch.cat([row_of_p, row_of_p.new_full((1,), n_in - 1)])[packed_source]
+        # The rows combine sends back, as the blocks came: block row q carries the layout
+        # row of its packed row, if it holds data; otherwise any row of y (row 0), or, if
+        # y has none, a zero row. Combine masks what comes back for a padding slot.
         q = torch.arange(n_in, device=device)
         s, j = q // block, q % block
         valid = j < got_from[s]
-        back_index = torch.where(valid, dest_of[(_exclusive(got_from)[s] + j).clamp(max=n_in - 1)], 0)
+        back_index = torch.where(valid, dest_of[(start[s] + j).clamp(max=n_in - 1)], 0)
         dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
-        extra = {"recv_counts": got_from}
+        extra = {"recv_counts": got_from, "kept": keep}
     out = _take(recv, source, spare=mode == "exact" and align > 1)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
@@ -412,7 +424,7 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
 
     Backward: dispatch's data movement: each token's gradient, scaled by each of
     its k weights, goes to its expert's rank and row (``all_to_all_v`` with the
-    sizes swapped, or ``all_to_all_padded``); the gradient of ``topk_weights[t, j]``
+    sizes swapped, or the even ``all_to_all`` of the blocks); the gradient of ``topk_weights[t, j]``
     is the dot product of the output's gradient with ``y_row(t, j)``.
 
     Example (2 ranks, continuing :func:`dispatch`'s, the experts the identity)::
@@ -448,9 +460,10 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
         assert handle.send_sizes is not None and handle.recv_sizes is not None
         g = resolve_group(opname, handle.group)
         returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
-    else:
-        assert handle.recv_counts is not None
-        returned, _ = _static.all_to_all_padded(back, handle.recv_counts, group=handle.group)
+    else:  # the blocks go back to their senders as they came, one even all_to_all
+        returned = _even.all_to_all(back, handle.group, 0, 0)
     per_pair = _take(returned, handle.row_of, spare=False)
     per_pair = per_pair.view(handle.tokens, handle.topk, y.shape[1])
+    if handle.kept is not None:  # a dropped pair's row is some other pair's: zero it
+        per_pair = torch.where(handle.kept.view(handle.tokens, handle.topk, 1), per_pair, 0)
     return (per_pair * topk_weights.unsqueeze(-1).to(per_pair.dtype)).sum(1)
