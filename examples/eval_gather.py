@@ -28,14 +28,12 @@ or under a launcher, one process per rank::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import launch
 
 N_SAMPLES, VOCAB = 11, 50
 
@@ -92,20 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--world", type=int, default=3, help="ranks to start (ignored under torchrun)")
     args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun: this process is one rank
-        dist.init_process_group("gloo")
-        try:
-            run(dist.get_rank(), dist.get_world_size())
-            dist.barrier()  # no rank tears gloo down while a peer still reads
-        finally:
-            dist.destroy_process_group()
-        return 0
-    try:
-        run_ranks(run, args.world, timeout=120)
-    except (RankError, TimeoutError) as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    return launch(run, args.world, timeout=120)
 
 
 if __name__ == "__main__":

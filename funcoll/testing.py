@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "run_ranks"]
+__all__ = ["RankError", "launch", "run_ranks"]
 
 
 class RankError(RuntimeError):
@@ -222,3 +223,36 @@ def run_ranks(
         if os.path.exists(store_path):
             os.unlink(store_path)
     return [out[r] for r in range(world)]
+
+
+def launch(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> int:
+    """Run ``fn(rank, world, *args)`` on every rank, as a program's ``main``: under torchrun or here.
+
+    Under a launcher (``LOCAL_RANK`` set, as torchrun does) this process is one
+    rank: it initializes the default process group on `backend`, runs `fn` with
+    the launcher's rank and world size (`world` is ignored), and waits at a
+    barrier so that no rank tears the group down while a peer still reads (gloo
+    aborts that peer). Otherwise it starts `world` ranks here with
+    :func:`run_ranks`. The examples in ``examples/`` end with
+    ``sys.exit(launch(run, args.world))``.
+
+    Returns:
+        0, or 1 after printing why the ranks failed (a :class:`RankError` or a
+        timeout) to stderr.
+    """
+    if "LOCAL_RANK" in os.environ:  # started by a launcher: this process is one rank
+        dist.init_process_group(backend)
+        try:
+            fn(dist.get_rank(), dist.get_world_size(), *args)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        return 0
+    try:
+        run_ranks(fn, world, *args, timeout=timeout, backend=backend)
+    except (RankError, TimeoutError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +66,24 @@ def test_a_rank_that_never_calls_ends_in_a_timeout_error() -> None:
     with pytest.raises((TimeoutError, RankError)) as info:
         run_ranks(_hangs, 2, timeout=10.0)
     assert "rank" in str(info.value)
+
+
+def _raises(rank: int, world: int) -> None:
+    raise ValueError(f"rank {rank} of {world}: bad input")
+
+
+def _returns(rank: int, world: int, out: str) -> None:
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{rank}/{world}")
+
+
+def test_launch_runs_every_rank_or_reports_the_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``launch`` (the examples' main without torchrun): 0 when every rank ran, 1 and the cause on stderr."""
+    from funcoll.testing import launch
+
+    assert launch(_returns, 2, str(tmp_path / "r"), timeout=60) == 0
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
+    assert launch(_raises, 2, timeout=60) == 1
+    assert "ValueError: rank 0 of 2: bad input" in capsys.readouterr().err
