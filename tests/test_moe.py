@@ -177,6 +177,16 @@ def run_errors(rank: int, world: int) -> dict[str, str]:
             moe.dispatch(x, idx, **kwargs)  # type: ignore[arg-type]
         except ValueError as e:
             got[name] = str(e)
+    # Static mode with capacity None on ranks with different T: the capacities differ. Checked
+    # mode makes the blocks' all_to_all compare shapes first: the same ValueError on every rank.
+    funcoll.set_checks(True)
+    try:
+        t = 3 + rank
+        moe.dispatch(torch.zeros(t, 3), torch.zeros(t, 1, dtype=torch.int64), world, mode="static")
+    except ValueError as e:
+        got["capacity"] = str(e)
+    finally:
+        funcoll.set_checks(False)
     return got
 
 
@@ -333,6 +343,10 @@ def test_num_experts_must_divide(batches: Batches, world: int) -> None:
     for errors in batches.get(world)["errors"]:
         assert errors["num_experts"].startswith("funcoll.moe.dispatch: `num_experts`=")
         assert f"{world} ranks" in errors["num_experts"]
+    blocks = [str(4 + r) for r in range(world)]  # capacity T * k + the spare row, per rank
+    for errors in batches.get(world)["errors"]:
+        assert errors["capacity"].startswith("funcoll.all_to_all: ranks disagree on how the scatter dim"), errors
+        assert all(f"rank {r}: [{b}" in errors["capacity"] for r, b in enumerate(blocks)), errors
 
 
 def test_docs_layer_matches_one_process(batches: Batches) -> None:
