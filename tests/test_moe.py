@@ -345,7 +345,9 @@ def test_num_experts_must_divide(batches: Batches, world: int) -> None:
         assert f"{world} ranks" in errors["num_experts"]
     blocks = [str(4 + r) for r in range(world)]  # capacity T * k + the spare row, per rank
     for errors in batches.get(world)["errors"]:
-        assert errors["capacity"].startswith("funcoll.all_to_all: ranks disagree on how the scatter dim"), errors
+        assert errors["capacity"].startswith("funcoll.all_to_all: ranks disagree on how the scatter dim"), (
+            errors
+        )
         assert all(f"rank {r}: [{b}" in errors["capacity"] for r, b in enumerate(blocks)), errors
 
 
