@@ -65,22 +65,9 @@ def _input(rank: int) -> Tensor:
 
 
 def _body(rank: int, world: int, name: str) -> dict[str, Any]:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from funcoll.testing import recording_backend
 
-    seqs: dict[str, list[str]] = {}
-
-    def names(gm: Any) -> list[str]:
-        return [str(n.target) for n in gm.graph.nodes
-                if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")]  # fmt: skip
-
-    def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        seqs["fw"], seqs["bw"] = names(fw), names(bw)
-        return fw, bw
-
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward,
-                           partition_fn=partition)  # fmt: skip
+    backend, seqs = recording_backend()
     x = _input(rank).requires_grad_()
     y = torch.compile(STEPS[name], fullgraph=True, backend=backend, dynamic=False)(x, rank)
     weight = torch.arange(float(y.numel()), dtype=torch.float64).view(y.shape) + rank

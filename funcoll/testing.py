@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "launch", "run_ranks"]
+__all__ = ["RankError", "launch", "recording_backend", "run_ranks"]
 
 
 class RankError(RuntimeError):
@@ -256,3 +256,37 @@ def launch(
         print(e, file=sys.stderr)
         return 1
     return 0
+
+
+def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:
+    """A ``torch.compile`` backend that records the collectives each compiled graph issues, in order.
+
+    Returns ``(backend, seqs)``. Compile with ``backend=backend`` (aot_eager's
+    graphs, split by the min-cut partitioner that aot_eager and inductor use);
+    after a forward and backward, ``seqs["fw"]`` and ``seqs["bw"]`` list the
+    ``_c10d_functional`` ops of the last compiled forward and backward graphs
+    (``"_c10d_functional.all_to_all_single.default"``, ...). Every rank must
+    record the same lists: a rank whose list differs would hang its peers. ::
+
+        backend, seqs = recording_backend()
+        loss = torch.compile(step, fullgraph=True, backend=backend)(x)
+        loss.backward()
+        return seqs  # from each rank of run_ranks; compare them in the parent
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    seqs: dict[str, list[str]] = {}
+
+    def names(gm: torch.fx.GraphModule) -> list[str]:
+        return [str(n.target) for n in gm.graph.nodes
+                if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")]  # fmt: skip
+
+    def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        seqs["fw"], seqs["bw"] = names(fw), names(bw)
+        return fw, bw
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward,
+                           partition_fn=partition)  # fmt: skip
+    return backend, seqs

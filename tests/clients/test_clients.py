@@ -351,22 +351,9 @@ def _collective_sequence(rank: int, world: int) -> dict[str, list[str]]:
     graphs are recorded after the partitioner, the way aot_eager and inductor split
     them; the step runs forward and backward.
     """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from funcoll.testing import recording_backend
 
-    seqs: dict[str, list[str]] = {}
-
-    def names(gm: Any) -> list[str]:
-        return [str(n.target) for n in gm.graph.nodes
-                if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")]  # fmt: skip
-
-    def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        seqs["fw"], seqs["bw"] = names(fw), names(bw)
-        return fw, bw
-
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward,
-                           partition_fn=partition)  # fmt: skip
+    backend, seqs = recording_backend()
     heads, seq = ULYSSES["one-head"]
     mine = [t.tensor_split(world, 1)[rank].clone().requires_grad_() for t in _qkv("one-head", heads, seq)]
     out = torch.compile(DistributedAttention(None, heads, seq), fullgraph=True, backend=backend)(*mine)
