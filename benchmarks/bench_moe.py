@@ -1,6 +1,6 @@
 """MoE dispatch + combine speed: ``funcoll.moe`` against a torchtitan-style recipe.
 
-Run: ``python benchmarks/bench_moe.py [--worlds 2 4] [--tokens 256 1024 4096] [--rounds 5] [--quick]``
+Run: ``python benchmarks/bench_moe.py [--worlds 2 4] [--tokens 256 1024 4096 16384] [--rounds 5] [--quick]``
 
 For each world size it starts that many gloo CPU ranks and, in one process
 group, times one MoE layer's token movement (dispatch, an identity expert, combine
@@ -19,7 +19,9 @@ rounds (each the median of a few barrier-fenced calls after a warm-up,
 - ``funcoll.moe static``: ``dispatch(mode="static")`` with a capacity of 1.25
   times the even share (``ceil(1.25 * T * k / world)`` rows per destination),
   then ``combine``; the routing is uniform, so few pairs are dropped (the
-  table gives how many).
+  table gives how many);
+- ``..., compiled``: the same two layers under ``torch.compile(fullgraph=True)``
+  (inductor), compiled before the timed calls (not with ``--quick``).
 
 Host syncs per layer are counted, not assumed: every ``Tensor.tolist`` and
 ``Tensor.item`` call during one layer (on CUDA each is a device-to-host sync; on
@@ -31,6 +33,7 @@ three outputs are compared before timing.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -109,17 +112,35 @@ def count_host_reads(fn: Callable[[], object]) -> int:
     return calls[0]
 
 
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _compiled(mode: str, world: int) -> Callable[..., torch.Tensor]:
+    """funcoll's layer under torch.compile(fullgraph=True) (inductor), one per mode and process."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(
+            functools.partial(funcoll_layer, world=world, mode=mode), fullgraph=True, dynamic=False
+        )
+    return _COMPILED[mode]
+
+
 def _methods(
-    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int
+    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int, compiled: bool
 ) -> dict[str, Callable[[], object]]:
-    return {
+    methods: dict[str, Callable[[], object]] = {
         "titan": lambda: titan_layer(x, idx, w, world),
         "funcoll.moe exact": lambda: funcoll_layer(x, idx, w, world, "exact"),
         "funcoll.moe static": lambda: funcoll_layer(x, idx, w, world, "static"),
     }
+    if compiled:
+        methods["funcoll.moe exact, compiled"] = lambda: _compiled("exact", world)(x, idx, w)
+        methods["funcoll.moe static, compiled"] = lambda: _compiled("static", world)(x, idx, w)
+    return methods
 
 
-def _bench(rank: int, world: int, tokens: list[int], rounds: int, iters: int) -> list[dict[str, Any]]:
+def _bench(
+    rank: int, world: int, tokens: list[int], rounds: int, iters: int, compiled: bool = True
+) -> list[dict[str, Any]]:
     rows = []
     for t in tokens:
         g = torch.Generator().manual_seed(1000 * t + rank)
@@ -127,9 +148,12 @@ def _bench(rank: int, world: int, tokens: list[int], rounds: int, iters: int) ->
         x = torch.randn(t, H, generator=g, device="cpu").to(dev)
         idx = torch.rand(t, world * E_LOCAL, generator=g, device="cpu").argsort(1)[:, :K].contiguous().to(dev)
         w = torch.rand(t, K, generator=g, device="cpu").to(dev)
-        methods = _methods(x, idx, w, world)
+        methods = _methods(x, idx, w, world, compiled)
         ref = titan_layer(x, idx, w, world)
         torch.testing.assert_close(funcoll_layer(x, idx, w, world, "exact"), ref)
+        if compiled:  # compiles here, outside the timed and counted calls
+            torch.testing.assert_close(_compiled("exact", world)(x, idx, w), ref)
+            _compiled("static", world)(x, idx, w)
         capacity = math.ceil(CAPACITY_FACTOR * t * K / world)
         _, handle = moe.dispatch(x, idx, world * E_LOCAL, mode="static", capacity=capacity)
         dropped = int(handle.dropped)  # a host read, outside the timed calls
@@ -153,7 +177,7 @@ def _bench(rank: int, world: int, tokens: list[int], rounds: int, iters: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3, help="fenced calls per round (median)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 tokens, 1 round: a smoke run")
@@ -164,7 +188,7 @@ def main() -> None:
     print("| world | T | method | ms | x titan | host syncs / layer | dropped (static) |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     for world in args.worlds:
-        res = run_ranks(_bench, world, args.tokens, args.rounds, args.iters, timeout=1800)
+        res = run_ranks(_bench, world, args.tokens, args.rounds, args.iters, not args.quick, timeout=3600)
         for i, row in enumerate(res[0]):
             base = row["ms"]["titan"]
             dropped = sum(r[i]["dropped"] for r in res)

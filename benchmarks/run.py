@@ -64,6 +64,7 @@ class Setup:
 
     backend: str = "gloo"
     device: str = "cpu"
+    quick: bool = False  # a smoke run: families skip what only costs time (moe's compiled layers)
 
     def wrap(self, body: Callable[..., Any]) -> Callable[..., Any]:
         """`body` run with this device as the default (each rank its own GPU on CUDA)."""
@@ -133,7 +134,7 @@ def _moe(worlds: list[int], tokens: list[float], iters: int, rounds: int, on: Se
     records = []
     for world in worlds:
         res = run_ranks(on.wrap(bench_moe._bench), world, [int(t) for t in tokens], rounds, iters,
-                        timeout=3600, backend=on.backend)  # fmt: skip
+                        not on.quick, timeout=3600, backend=on.backend)  # fmt: skip
         for row in res[0]:
             sent = row["tokens"] * bench_moe.K * bench_moe.H * 4  # bytes of the rows a rank dispatches
             base = row["ms"]["titan"]
@@ -152,7 +153,7 @@ FAMILIES: dict[str, tuple[list[float], int, int]] = {
     "gather": ([0.125, 1, 8, 64], 9, 1),
     "sweep": ([4, 64, 1024, 16384], 9, 5),
     "dtensor": ([1, 8, 32], 7, 1),
-    "moe": ([256, 1024, 4096], 3, 5),
+    "moe": ([256, 1024, 4096, 16384], 3, 5),
 }
 RUNS: dict[str, Callable[..., list[Record]]] = {
     "gather": _gather, "sweep": _sweep, "dtensor": _dtensor, "moe": _moe,
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
-    on = Setup(args.backend, args.device)
+    on = Setup(args.backend, args.device, args.quick)
     worlds = [2] if args.quick else args.worlds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
