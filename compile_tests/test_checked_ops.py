@@ -8,7 +8,9 @@ agree get what the unchecked eager op gives, and the graph holds one more
 all_gather and the host read; ranks that disagree raise the same ``ValueError``
 as eager, on every rank. The static ops, checked, read their counts header on the
 host (``funcoll::check_counts``) instead of asserting on the device, and raise the
-same ``ValueError`` compiled as eager.
+same ``ValueError`` compiled as eager. Checked, every collective of the graph is
+waited by ``funcoll::wait``, which carries the op's name for a failure's message
+(tests/test_faults.py runs the failures).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ AGREEING: dict[str, Callable[[int], Any]] = {
 STATIC: dict[str, Callable[[int], Any]] = {
     "gather_padded": lambda r: funcoll.gather_padded(_z(r, 4, 3), torch.tensor(r + 1)),
     "all_to_all_padded": lambda r: funcoll.all_to_all_padded(_z(r, 4, 3), torch.tensor([1, 2 - r])),
+}
+# Ops whose collective results some rank drops: gather's non-destination ranks, and a
+# step that calls an op for its side effect alone. Every rank must still issue and
+# wait for the same collectives (the graph's waits are never dead code).
+DROPPED: dict[str, Callable[[int], Any]] = {
+    "gather-dst0": lambda r: funcoll.gather(_z(r, 1 + r, 3), dst=0),
+    "all_reduce-unused": lambda r: (funcoll.all_reduce(_z(r, 3)), _z(r, 2))[1],
 }
 # Ranks that disagree, each way a checked op finds out: the even ops' header, the
 # static ops' counts (rank 1's above the bound) and shapes.
@@ -89,7 +98,7 @@ def _one(rank: int, world: int, key: str) -> dict[str, Any]:
                 fn = torch.compile(lambda: bad(rank), fullgraph=True, backend=backend)
                 out[backend] = _error(fn)
         return out
-    call = AGREEING[key] if key in AGREEING else STATIC[key]
+    call = {**AGREEING, **STATIC, **DROPPED}[key]
     out["unchecked"] = call(rank)
     graphs: dict[str, Any] = {}
     with funcoll.set_checks(True):
@@ -103,7 +112,7 @@ def _one(rank: int, world: int, key: str) -> dict[str, Any]:
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    return run_batch(_one, WORLD, [*AGREEING, *STATIC, *(f"mismatch:{k}" for k in MISMATCHES)], timeout=300)
+    return run_batch(_one, WORLD, [*AGREEING, *STATIC, *DROPPED, *(f"mismatch:{k}" for k in MISMATCHES)], timeout=300)
 
 
 @pytest.mark.parametrize("op", list(AGREEING))
@@ -116,6 +125,16 @@ def test_checked_op_compiles_with_its_check_and_matches_unchecked(op: str) -> No
         assert counts.get(AG, 0) == data + 1, f"rank {rank}: {counts}"
         reads = [c["op"] for c in got["graph"] if c["op"].startswith("funcoll.host_ints")]
         assert len(reads) == 1, f"rank {rank}: the header read is not in the graph"
+        _waits_name_the_op(got["graph"], counts, op, rank)
+
+
+def _waits_name_the_op(graph: list[dict[str, Any]], counts: dict[str, int], op: str, rank: int) -> None:
+    """Checked, every collective is waited by ``funcoll::wait`` carrying the public op's name."""
+    waits = [c["args"] for c in graph if c["op"].startswith("funcoll.wait")]
+    issued = sum(n for name, n in counts.items() if name != "wait_tensor")
+    assert counts.get("wait_tensor", 0) == 0, f"rank {rank}: a bare wait is left: {counts}"
+    assert len(waits) == issued, f"rank {rank}: {len(waits)} named waits for {issued} collectives"
+    assert all(args[1] == op for args in waits), f"rank {rank}: {[args[1:] for args in waits]}"
 
 
 @pytest.mark.parametrize("op", list(STATIC))
@@ -126,6 +145,17 @@ def test_checked_static_op_reads_its_counts_on_the_host(op: str) -> None:
         calls = [c["op"] for c in got["graph"]]
         assert sum(c.startswith("funcoll.check_counts") for c in calls) == 1, f"rank {rank}: {calls}"
         assert not any("assert_async" in c for c in calls), f"rank {rank}: a device assert is left: {calls}"
+        _waits_name_the_op(got["graph"], collective_counts(got["graph"]), op, rank)
+
+
+@pytest.mark.parametrize("op", list(DROPPED))
+def test_checked_collective_whose_result_a_rank_drops_is_still_waited(op: str) -> None:
+    for rank, res in enumerate(_results()):
+        got = res[op]
+        torch.testing.assert_close(got["checked"], got["unchecked"], rtol=0, atol=0)
+        counts = collective_counts(got["graph"])
+        assert sum(n for name, n in counts.items() if name != "wait_tensor") >= 1, f"rank {rank}: {counts}"
+        _waits_name_the_op(got["graph"], counts, op.split("-")[0], rank)
 
 
 @pytest.mark.parametrize("case", list(MISMATCHES))

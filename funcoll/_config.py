@@ -19,6 +19,11 @@ and read it on the host (one device-to-host sync per call), so that bad counts
 and ranks whose shapes differ raise funcoll's ``ValueError`` on every rank,
 naming the rank and the value, before any data moves.
 
+Compiled code with checks on waits for each collective with ``funcoll::wait``
+(``_faults.wait``) instead of the bare ``wait_tensor``, so that a rank that died or
+stayed away fails the step with the op's name, as in eager code, at the price of
+one copy of each collective's result.
+
 Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
 compiled region reads the switch when it is traced and is traced again when it
 changes (dynamo guards on it), so set it outside compiled code.
@@ -44,7 +49,10 @@ class set_checks:
 
     ``funcoll.set_checks(True)`` turns them on for the rest of the process;
     ``with funcoll.set_checks(True): ...`` for a block, restoring the previous
-    setting when it exits. See docs/index.md, Checks.
+    setting when it exits. Compiled with checks on, a fault (a peer that died
+    or stayed away) names the op as in eager code, at the price of one copy of
+    each collective's result. See docs/index.md, Checks, and docs/errors.md,
+    Faults.
 
     Args:
         enabled: True to check, False not to.

@@ -10,9 +10,14 @@ backend's error, of the same type, with the op, the collective, the step (the
 size exchange or the data) and the group in front of the backend's message.
 
 Inside a compiled graph the collectives run from generated code, where no
-funcoll frame is left to name them: the backend's error surfaces from the
-compiled function as it is (docs/errors.md, "Faults"). Nothing here runs while
-compiling, so the graphs are unchanged.
+funcoll frame is left to name them. By default the backend's error surfaces from
+the compiled function as it is (docs/errors.md, "Faults"), and the graph keeps
+the bare ``wait_tensor`` that inductor schedules around. Under
+``funcoll.set_checks(True)`` the public op's name is kept while it is traced
+(:func:`traced_op`) and every wait in the graph is the custom op ``funcoll::wait``
+(:func:`wait`), which waits, re-raises a failure as :func:`failed` does in eager
+code, and returns a copy of the result (a custom op may not return its input):
+one copy per collective, the price of the name.
 """
 
 from __future__ import annotations
@@ -24,13 +29,20 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["failed", "public_op", "remember"]
+from ._config import checks_enabled
+
+__all__ = ["failed", "public_op", "remember", "traced_op", "wait"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # The public op now running in eager code (the outermost one: an op built on
 # another, like the region ops on gather, reports its own name).
 _OP: ContextVar[str | None] = ContextVar("funcoll_op", default=None)
+
+# The public ops being traced, outermost first, under set_checks(True) only. Dynamo
+# tracks the appends and pops as side effects of the traced frame (the list is
+# empty again after each op), and `traced_op` reads the name as a constant.
+_TRACED: list[str] = []
 
 
 def public_op(name: str) -> Callable[[_F], _F]:
@@ -39,7 +51,15 @@ def public_op(name: str) -> Callable[[_F], _F]:
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def op(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or _OP.get() is not None:
+            if torch.compiler.is_compiling():
+                if _TRACED or not checks_enabled():
+                    return fn(*args, **kwargs)
+                _TRACED.append(name)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _TRACED.pop()
+            if _OP.get() is not None:
                 return fn(*args, **kwargs)
             token = _OP.set(name)
             try:
@@ -59,12 +79,25 @@ def remember(ctx: Any) -> None:
         ctx.funcoll_op = _OP.get()
 
 
-def _op_name() -> str:
-    """The public op whose collective is running: the eager op, or the op whose backward this is."""
+def traced_op() -> str:
+    """The public op being traced (under set_checks(True)), or "" outside any."""
+    return _TRACED[0] if _TRACED else ""
+
+
+def _op_name(traced: str | None = None) -> str:
+    """The public op whose collective is running: the eager op, or the op whose backward this is.
+
+    `traced` is the name a compiled graph's ``funcoll::wait`` carries ("" if the
+    collective was traced outside a public op); its collective runs in a backward
+    when an autograd node is running.
+    """
+    node = torch._C._current_autograd_node()  # the node whose backward runs, if any
+    if traced is not None:
+        name = f"funcoll.{traced}" if traced else "funcoll"
+        return f"{name} (backward)" if node is not None else name
     op = _OP.get()
     if op is not None:
         return f"funcoll.{op}"
-    node = torch._C._current_autograd_node()  # the node whose backward runs, if any
     op = getattr(node, "funcoll_op", None)
     return f"funcoll.{op} (backward)" if op is not None else "funcoll (backward)"
 
@@ -78,16 +111,19 @@ def _where(group_name: str) -> str:
         return f"group {group_name!r}"
 
 
-def failed(collective: str, group_name: str, step: str, error: RuntimeError) -> RuntimeError:
+def failed(
+    collective: str, group_name: str, step: str, error: RuntimeError, traced: str | None = None
+) -> RuntimeError:
     """The backend's `error` of `collective`, re-made with funcoll's op and step in front.
 
     The type is kept (gloo raises ``RuntimeError``, NCCL ``DistBackendError``), so
     code that catches the backend's errors still catches it; the original is the
-    new one's ``__cause__``.
+    new one's ``__cause__``. `traced` is the op name a compiled graph carries
+    (see :func:`wait`); None in eager code.
     """
     at = f" in {step}" if step else ""
     message = (
-        f"{_op_name()}: the {collective}{at} on {_where(group_name)} failed. The backend said: {error}. "
+        f"{_op_name(traced)}: the {collective}{at} on {_where(group_name)} failed. The backend said: {error}. "
         f"If that is about a peer (a closed connection, a timeout), a rank of the group died, raised before "
         f"this op, or never called it: find the first error in the other ranks' logs. Otherwise the backend "
         f"refused this rank's tensor (a dtype or device it does not support)."
@@ -96,3 +132,30 @@ def failed(collective: str, group_name: str, step: str, error: RuntimeError) -> 
         return type(error)(message)
     except Exception:  # noqa: BLE001 -- an error type that takes no message: keep the message
         return RuntimeError(message)
+
+
+@torch.library.custom_op("funcoll::wait", mutates_args=())
+def wait(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
+    """Wait for the collective whose output is `x`, naming funcoll's `op` if it failed.
+
+    A compiled graph's wait under ``set_checks(True)``: the collective is issued
+    by the graph, this op waits for it (c10d finds the work by `x`), re-raises a
+    backend failure as :func:`failed` does in eager code, and returns a copy of
+    the result.
+    """
+    try:
+        y = torch.ops._c10d_functional.wait_tensor(x)
+    except RuntimeError as e:
+        raise failed(collective, group_name, step, e, traced=op) from e
+    return y.clone()
+
+
+# Like c10d's wait_tensor: never dead code, even when nothing reads the result (a
+# collective whose output a rank drops must still be waited, on every rank alike).
+torch.fx.node.has_side_effect(torch.ops.funcoll.wait.default)
+torch.fx.node.has_side_effect(torch.ops.funcoll.wait)
+
+
+@wait.register_fake
+def _wait_fake(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
+    return torch.empty_like(x)

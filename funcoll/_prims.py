@@ -42,6 +42,7 @@ from torch import Tensor
 
 from . import _faults
 from ._checks import IntLike
+from ._config import checks_enabled
 from ._rows import cut_padding, pad_rows
 from ._strategy import all_equal, common_rows, resolve, sym_max
 
@@ -56,9 +57,12 @@ def _run(collective: str, group_name: str, issue: Callable[[], Tensor], step: st
 
     In eager code a backend failure (a peer rank died, raised or stayed away) is
     re-raised naming the funcoll op, the collective and its `step`
-    (:mod:`funcoll._faults`). While compiling this is the issue and the wait alone.
+    (:mod:`funcoll._faults`). While compiling this is the issue and the wait alone,
+    unless checks are on: then the wait is ``funcoll::wait``, which names them too.
     """
     if torch.compiler.is_compiling():
+        if checks_enabled():
+            return _faults.wait(issue(), _faults.traced_op(), collective, group_name, step)
         return _F.wait_tensor(issue())
     try:
         return _F.wait_tensor(issue())

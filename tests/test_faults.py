@@ -10,8 +10,10 @@ rank 2 at world 3) calls the op and must fail, not hang:
   message and type;
 * no collective is left registered in c10d's work registry after the failure
   (what would make c10d warn of "unwaited collective calls" at exit);
-* inside a compiled step the backend's own error surfaces from the step, within
-  the same bound (nothing in generated code can name funcoll's op: docs/errors.md).
+* inside a compiled step, under ``set_checks(True)`` (as every test here runs), the
+  graph's ``funcoll::wait`` names the op and the step as eager code does, in the
+  forward and in the backward; with checks off the backend's own error surfaces
+  from the step, within the same bound (docs/errors.md, "Faults").
 
 The fault in the middle of an op is injected by a dispatch mode on rank 1 that
 lets the first `n` functional collectives of the op through and exits the process
@@ -74,7 +76,8 @@ class Survivor(RuntimeError):
     """What a healthy rank raises after its op failed: the failure's timing and what it left behind."""
 
 
-def _body(rank: int, world: int, op: str, fault: str) -> None:
+def _body(rank: int, world: int, op: str, fault: str, checks: bool) -> None:
+    funcoll.set_checks(checks)
     dist.barrier()  # every rank connected: the fault strikes in the op, not in gloo's start-up
     if rank == 1:
         if fault == "raises":
@@ -85,12 +88,18 @@ def _body(rank: int, world: int, op: str, fault: str) -> None:
             time.sleep(PG_TIMEOUT_S + 2.0)
             raise ValueError("rank 1 never called the op")
     call: Callable[[], Any]
-    if op == "compiled":  # a compiled step that gathers; rank 1 dies before it
-        if rank == 1:
-            os._exit(3)
-        step = torch.compile(_step, fullgraph=True, backend="aot_eager")
-        x = funcoll.mark_ragged(_ragged(rank), 0)
-        call = lambda: step(x)  # noqa: E731
+    if op.startswith("compiled"):  # a compiled step that gathers
+        step = torch.compile(_step, fullgraph=True, backend=fault)
+        x = funcoll.mark_ragged(_ragged(rank).requires_grad_(), 0)
+        if op == "compiled":  # rank 1 dies before the step
+            if rank == 1:
+                os._exit(3)
+            call = lambda: step(x)  # noqa: E731
+        else:  # rank 1 dies between the compiled forward and its backward
+            y = step(x)
+            if rank == 1:
+                os._exit(3)
+            call = lambda: y.sum().backward()  # noqa: E731
     elif op == "backward":  # rank 1 dies between the forward and the backward
         x = _ragged(rank).requires_grad_()
         y = funcoll.gather(x)
@@ -112,10 +121,10 @@ def _body(rank: int, world: int, op: str, fault: str) -> None:
     raise AssertionError(f"rank {rank}: the op returned although rank 1 failed")
 
 
-def _run(op: str, fault: str, world: int = 2) -> tuple[str, float]:
+def _run(op: str, fault: str, world: int = 2, checks: bool = True) -> tuple[str, float]:
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(_body, world, op, fault, timeout=BOUND_S, pg_timeout=PG_TIMEOUT_S)
+        run_ranks(_body, world, op, fault, checks, timeout=BOUND_S, pg_timeout=PG_TIMEOUT_S)
     return str(info.value), time.monotonic() - start
 
 
@@ -169,9 +178,26 @@ def test_every_healthy_rank_fails_at_world_3() -> None:
         assert _funcoll_error(report).startswith("funcoll.gather: the all_to_all on group"), r
 
 
-def test_compiled_step_fails_with_the_backends_error() -> None:
-    message, took = _run("compiled", "none")
+COMPILED = [
+    ("compiled", "aot_eager", "funcoll.gather: the all_gather in the size exchange on group"),
+    ("compiled", "inductor", "funcoll.gather: the all_gather in the size exchange on group"),
+    ("compiled_backward", "inductor", "funcoll.gather (backward): the all_to_all on group"),
+]
+
+
+@pytest.mark.parametrize(("op", "backend", "names"), COMPILED, ids=[f"{o}-{b}" for o, b, _ in COMPILED])
+def test_compiled_step_fails_naming_funcoll_op_when_checked(op: str, backend: str, names: str) -> None:
+    message, took = _run(op, backend)
+    assert took < BOUND_S, f"the failure took {took:.0f}s"
+    error = _funcoll_error(_survivors(message, 2)[0])
+    assert error.startswith(names) and "The backend said: " in error, error
+    assert "rank 1 of 2 died without a result (exit code 3)" in message
+
+
+def test_compiled_step_fails_with_the_backends_error_unchecked() -> None:
+    message, took = _run("compiled", "aot_eager", checks=False)
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     report = _survivors(message, 2)[0]
     assert "Connection" in report or "Timed out" in report, report
+    assert not re.findall(r"^(?:RuntimeError|DistBackendError): funcoll\.", report, flags=re.M), report
     assert "rank 1 of 2 died without a result (exit code 3)" in message
