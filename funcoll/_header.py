@@ -37,6 +37,7 @@ from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._group import Group
 from ._prims import Stats
+from ._rows import ints_on
 from ._strategy import STRATEGIES, sym_max, sym_min
 
 DTYPES = (
@@ -95,7 +96,7 @@ def exchange(
         CODES[key], x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
         0 if dim is None else x.shape[dim], args[0], args[1], *_shape_columns(x, d),
     ]  # fmt: skip
-    header = torch.tensor(row, dtype=torch.int64, device=x.device)
+    header = ints_on(x.device, row)
     if sizes is None:
         tail = header.new_zeros(TAIL * g.size)
     else:

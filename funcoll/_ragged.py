@@ -31,6 +31,7 @@ from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
+from ._rows import ints_on
 from ._strategy import STRATEGIES, sym_max, sym_min
 from ._wire import unwire, wire, wire_op
 
@@ -274,13 +275,13 @@ def all_gather_ragged(
         _check_strategy(opname, strategy)
         d = ax.dim(dim)
         y = gather_shards(ax, d, strategy)
-        return y, torch.tensor(ax.sizes(d), dtype=torch.int64, device=y.device)
+        return y, ints_on(y.device, ax.sizes(d))
     x, d, ndim = as_rows(opname, x, dim)
     _check_strategy(opname, strategy)
     g = resolve_group(opname, group)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
-        return fresh(x), torch.tensor([x.shape[d]], dtype=torch.int64, device=x.device)
+        return fresh(x), ints_on(x.device, [x.shape[d]])
     y, table = ragged_all_gather("all_gather_ragged", x, d, g, strategy, ndim, given)
     if table is not None:
         return y, table[:, SIZE].clone()
@@ -383,7 +384,7 @@ def all_to_all_v(
         if isinstance(recv_sizes, Tensor):
             recv_t = fresh(recv_sizes.to(device=x.device, dtype=torch.int64))
         else:
-            recv_t = torch.tensor(recv, dtype=torch.int64, device=x.device)
+            recv_t = ints_on(x.device, recv)  # no wait for the device
         if g.is_single:
             if torch.compiler.is_compiling():
                 torch._check(recv[0] == send[0])

@@ -14,6 +14,7 @@ the torch ops, which inductor fuses.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -117,11 +118,17 @@ def cut_padding(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: I
     The sizes are host ints (SymInts in a compiled graph), whose sum is `total`:
     they go to the device as a tensor and :func:`pack` does the rest.
     """
-    dev = blocks.device
+    return pack(blocks, ints_on(blocks.device, sizes), longest, total, exact=True)
+
+
+def ints_on(device: torch.device, ints: Sequence[IntLike]) -> Tensor:
+    """Host ints (SymInts in a compiled graph) as an int64 tensor on `device`, without waiting for it.
+
+    In eager code the tensor is built on the host and copied with ``non_blocking``:
+    from pageable memory the copy is staged at once, where ``torch.tensor(...,
+    device=cuda)`` would wait for the device's queue. A compiled graph builds it
+    on the device.
+    """
     if torch.compiler.is_compiling():
-        counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
-    else:
-        # Built on the host and copied without blocking: from pageable memory the copy
-        # is staged at once, and a plain `.to(dev)` would wait for the device.
-        counts = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
-    return pack(blocks, counts, longest, total, exact=True)
+        return torch.tensor(ints, dtype=torch.int64, device=device)
+    return torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)

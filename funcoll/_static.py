@@ -26,7 +26,7 @@ from ._dtensor import refuse_dtensor
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import DTYPES, MAX_DIMS, _dtype_code, _shape_columns
-from ._rows import pack
+from ._rows import ints_on, pack
 from ._spec import spec
 from ._wire import unwire, wire
 
@@ -52,9 +52,7 @@ def _counts_tensor(
     ints = checked
     if not per_rank:
         return torch.full((1,), ints[0], dtype=torch.int64, device=device)  # a fill: no copy from the host
-    if torch.compiler.is_compiling():
-        return torch.tensor(ints, dtype=torch.int64, device=device)
-    return torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)  # queued, not waited for
+    return ints_on(device, ints)  # queued, not waited for
 
 
 @functools.lru_cache(maxsize=256)
