@@ -1,4 +1,5 @@
-"""``benchmarks/run.py --quick`` runs every family and writes the JSON and one plot per family.
+"""``benchmarks/run.py --quick`` runs every family and writes the JSON and one plot per family;
+``benchmarks/bench_checked.py --quick`` prints its table.
 
 A smoke run (one small size, 2 ranks, one round): it checks that the runner and
 every family's benchmark still work against funcoll's current API and that the
@@ -35,3 +36,14 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
         assert expected in impls, sorted(impls)
     moe = {r["impl"]: r["host_syncs"] for r in data["records"] if r["family"] == "moe"}
     assert moe == {"titan": 1, "funcoll.moe exact": 1, "funcoll.moe static": 0}, moe
+
+
+def test_checked_benchmark_quick_run_prints_both_ops() -> None:
+    script = RUN.with_name("bench_checked.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 2 |")]
+    assert sorted(r[2].strip() for r in rows) == ["all_gather", "gather"], done.stdout
+    assert all(float(r[6]) > 0 for r in rows), done.stdout
