@@ -112,7 +112,9 @@ def _one(rank: int, world: int, key: str) -> dict[str, Any]:
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    return run_batch(_one, WORLD, [*AGREEING, *STATIC, *DROPPED, *(f"mismatch:{k}" for k in MISMATCHES)], timeout=300)
+    return run_batch(
+        _one, WORLD, [*AGREEING, *STATIC, *DROPPED, *(f"mismatch:{k}" for k in MISMATCHES)], timeout=300
+    )
 
 
 @pytest.mark.parametrize("op", list(AGREEING))
