@@ -265,7 +265,8 @@ def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:
     graphs, split by the min-cut partitioner that aot_eager and inductor use);
     after a forward and backward, ``seqs["fw"]`` and ``seqs["bw"]`` list the
     ``_c10d_functional`` ops of the last compiled forward and backward graphs
-    (``"_c10d_functional.all_to_all_single.default"``, ...). Every rank must
+    (``"_c10d_functional.all_to_all_single.default"``, ...), and the waits: c10d's
+    ``wait_tensor``, or ``"funcoll.wait.default"`` under ``funcoll.set_checks(True)``. Every rank must
     record the same lists: a rank whose list differs would hang its peers. ::
 
         backend, seqs = recording_backend()
@@ -280,7 +281,7 @@ def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:
 
     def names(gm: torch.fx.GraphModule) -> list[str]:
         return [str(n.target) for n in gm.graph.nodes
-                if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")]  # fmt: skip
+                if n.op == "call_function" and str(n.target).startswith(("_c10d_functional.", "funcoll.wait"))]  # fmt: skip
 
     def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
