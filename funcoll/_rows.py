@@ -78,8 +78,9 @@ def pad_rows(x: Tensor, n_out: IntLike) -> Tensor:
 
 
 def pack_reference(
-    blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False
-) -> Tensor:
+    blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False,
+    zero_row: IntLike | None = None,
+) -> Tensor:  # fmt: skip
     """Rank i's ``sizes[i]`` rows at ``i * bound`` of `blocks`, packed in rank order, then zero rows to `n_out`.
 
     Output row k comes from the rank whose rows cover k in the packed order
@@ -88,7 +89,9 @@ def pack_reference(
     the device: the graph is the same size whatever the world size, and autograd's
     backward is the inverse move (the gradient's rows scattered back to the
     blocks, zeros on the padding). `exact` says ``n_out == sum(sizes)``: no row is
-    padding, so no fill.
+    padding, so no fill. `zero_row` is the index of a row of `blocks` that holds
+    zeros: the padding rows are copied from it, in the same pass, instead of
+    filled after it (their gradient goes to that row).
     """
     ends = torch.cumsum(sizes, 0)
     starts = ends - sizes
@@ -98,18 +101,23 @@ def pack_reference(
     if exact:
         return blocks.index_select(0, src)
     valid = k < ends[-1]
+    if zero_row is not None:
+        return blocks.index_select(0, torch.where(valid, src, zero_row))
     rows = blocks.index_select(0, torch.where(valid, src, 0))
     # In place on the fresh rows (index_select's backward needs only the index): one
     # pass fewer over the result than a where.
     return rows.masked_fill_(~valid.view(-1, *([1] * (blocks.dim() - 1))), 0)
 
 
-def pack(blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False) -> Tensor:
+def pack(
+    blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike, *, exact: bool = False,
+    zero_row: IntLike | None = None,
+) -> Tensor:  # fmt: skip
     """:func:`pack_reference`, as one Triton launch (and one for its backward) in eager CUDA code."""
     kernels = row_kernels(blocks)
     if kernels is not None:
         return _PackRows.apply(blocks, sizes, bound, n_out, kernels)
-    return pack_reference(blocks, sizes, bound, n_out, exact=exact)
+    return pack_reference(blocks, sizes, bound, n_out, exact=exact, zero_row=zero_row)
 
 
 def cut_padding(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLike) -> Tensor:

@@ -181,7 +181,12 @@ def _fused(xm: Tensor, g: Group) -> torch.dtype | None:
 
 
 def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike]) -> Tensor:
-    """The int64 `header` as rows of `row_shape` in the integer `dtype`, zero-padded: ``(k, *row_shape)``."""
+    """The int64 `header` as rows of `row_shape` in the integer `dtype`, zero-padded: ``(k, *row_shape)``.
+
+    The last of the k rows is all zeros whatever the header, which a zero of every
+    dtype bit-casts to: :func:`_move` returns its place as the row the padding is
+    copied from.
+    """
     bits = 8 * torch.empty((), dtype=dtype).element_size()
     if bits == 64:
         pieces = header
@@ -192,32 +197,35 @@ def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike
             pieces = pieces - (pieces >= (1 << (bits - 1))).to(torch.int64) * (1 << bits)
         pieces = pieces.to(dtype).reshape(-1)
     row = math.prod(row_shape)
-    k = -(-pieces.shape[0] // row)
+    k = -(-pieces.shape[0] // row) + 1  # the last row all zeros: the pack copies padding from it
     return torch.cat([pieces, pieces.new_zeros(k * row - pieces.shape[0])]).view(k, *row_shape)
 
 
 def _move(
     opname: str, x: Tensor, d: int, xm: Tensor, counts: Tensor, bound: IntLike, g: Group,
     plain: Callable[[Tensor], Tensor], with_rows: Callable[[Tensor, Tensor], Tensor],
-) -> tuple[Tensor, IntLike, Tensor]:  # fmt: skip
-    """Move `xm`'s blocks and the counts header, check the header: (blocks, block stride, table).
+) -> tuple[Tensor, IntLike, Tensor, IntLike | None]:  # fmt: skip
+    """Move `xm`'s blocks and the counts header, check the header: (blocks, block stride, table, zero row).
 
     `plain` moves the blocks alone, after the header went on its own; `with_rows`
     moves them with the header's rows after each block, in one collective (see
     :func:`_fused`). Each rank's block in the result is `bound` data rows, then
     the header's rows when they came along: the stride. The table is every
-    rank's header, checked on the device.
+    rank's header, checked on the device. The zero row is the index of a row of
+    the blocks that holds zeros (the header's last), or None when the header did
+    not come along.
     """
     twin = _fused(xm, g)
     if twin is None:  # the header first, on its own
         table = _exchange(opname, x, d, counts, bound, g)
-        return (xm if g.is_single else plain(xm)), bound, table
+        return (xm if g.is_single else plain(xm)), bound, table, None
     header = _header(x, d, counts)
     extra = _header_rows(header, twin, xm.shape[1:])
     blocks = with_rows(xm, extra)
     table = _read_header(_tails(blocks, twin, g.size, bound, extra.shape[0]), header.shape[0])
     _check_table(opname, table, counts.numel(), bound, x, d)
-    return blocks, bound + extra.shape[0], table
+    stride = bound + extra.shape[0]
+    return blocks, stride, table, stride - 1
 
 
 def _tails(blocks: Tensor, dtype: torch.dtype, world: int, n: IntLike, k: int) -> Tensor:
@@ -309,13 +317,13 @@ def gather_padded(
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
     g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
-    blocks, stride, table = _move(
+    blocks, stride, table, zero_row = _move(
         opname, x, d, xm, mine, bound, g,
         lambda t: _prims.all_gather_p(t, g.name, g.size),
         lambda t, extra: _prims.all_gather_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
     sizes = table[:, 0]
-    y = unwire(pack(blocks, sizes, stride, g.size * bound), x.dtype)
+    y = unwire(pack(blocks, sizes, stride, g.size * bound, zero_row=zero_row), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
@@ -394,11 +402,11 @@ def all_to_all_padded(
     send = _counts_tensor(opname, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
     xm = wire(x).movedim(d, 0)
     split = [cap] * g.size
-    blocks, stride, table = _move(
+    blocks, stride, table, zero_row = _move(
         opname, x, d, xm, send, cap, g,
         lambda t: _prims.all_to_all_p(t, split, split, g.name),
         lambda t, extra: _prims.all_to_all_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
-    y = unwire(pack(blocks, recv_sizes, stride, g.size * cap), x.dtype)
+    y = unwire(pack(blocks, recv_sizes, stride, g.size * cap, zero_row=zero_row), x.dtype)
     return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()
