@@ -42,7 +42,7 @@ def _gather_sizes(n: int, device: torch.device, group: dist.ProcessGroup | None)
     world_size = dist.get_world_size(group)
     local_size = torch.tensor([n], dtype=torch.long, device=device)
     all_sizes = [torch.zeros_like(local_size) for _ in range(world_size)]
-    dist.all_gather(all_sizes, local_size, group=group)
+    dist.all_gather(all_sizes, local_size, group=group)  # in place, as the seeds do: the baseline
     return [int(size.item()) for size in all_sizes]  # host sync per rank: the seeds' way to read sizes
 
 
@@ -55,7 +55,7 @@ def _all_to_all(input_: Tensor, world_size: int, group: Any, scatter_dim: int, g
     """OpenSora's ``_all_to_all``: even pieces, ``dist.all_to_all`` of Python lists."""
     input_list = [t.contiguous() for t in torch.tensor_split(input_, world_size, scatter_dim)]
     output_list = [torch.empty_like(input_list[0]) for _ in range(world_size)]
-    dist.all_to_all(output_list, input_list, group=group)
+    dist.all_to_all(output_list, input_list, group=group)  # in place, as the seeds do: the baseline
     return torch.cat(output_list, dim=gather_dim).contiguous()
 
 
@@ -66,7 +66,7 @@ def _pad_gather(input_: Tensor, sizes: list[int], group: Any) -> Tensor:
     padded = torch.zeros((max_size, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
     padded[: input_.shape[0]] = input_
     gathered = [torch.zeros_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded, group=group)
+    dist.all_gather(gathered, padded, group=group)  # in place, as the seeds do: the baseline
     return torch.cat([t[:n] for t, n in zip(gathered, sizes, strict=True)], dim=0)
 
 

@@ -185,6 +185,7 @@ def global_batch(cfg: Config, step: int) -> RankBatch:
 def shard_sizes(cfg: Config, step: int, world: int, total: int) -> list[int]:
     """How many of the `total` tokens each rank holds: random cuts, and every third step one rank holds 0."""
     gen = _generator(cfg, step, world, 1)
+    # A host read of a CPU tensor (no device sync): the batch's layout is drawn on the host.
     cuts = sorted(torch.randint(0, total + 1, (world - 1,), generator=gen).tolist())
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
     if step % 3 == 2 and world > 1:  # a rank with no token at all
@@ -305,7 +306,7 @@ def _sync_grads(mode: str, params: Params) -> dict[str, Tensor]:
     names = list(params)
     flat = torch.cat([_grad(params[k]).reshape(-1) for k in names])
     if mode == "seed":  # the seed's loss gather keeps the slice in its backward: partial gradients add up
-        dist.all_reduce(flat)
+        dist.all_reduce(flat)  # in place, eager: the seed-style run uses torch.distributed as the seeds do
     else:  # funcoll's adjoint gather sums world identical losses' gradients: average them
         flat = funcoll.all_reduce(flat, op="avg")
     out, start = {}, 0
