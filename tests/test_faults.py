@@ -90,6 +90,12 @@ def _body(rank: int, world: int, op: str, fault: str, checks: bool) -> None:
     call: Callable[[], Any]
     if op.startswith("compiled"):  # a compiled step that gathers
         step = torch.compile(_step, fullgraph=True, backend=fault)
+        # Every rank compiles the forward and the backward first, with other lengths:
+        # the fault must meet the survivor in the compiled step, not while it still
+        # compiles (which can outlast run_ranks' grace on a busy machine).
+        warm = funcoll.mark_ragged(_ragged(world - rank).requires_grad_(), 0)
+        step(warm).sum().backward()
+        dist.barrier()
         x = funcoll.mark_ragged(_ragged(rank).requires_grad_(), 0)
         if op == "compiled":  # rank 1 dies before the step
             if rank == 1:
