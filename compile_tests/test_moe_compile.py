@@ -4,42 +4,49 @@ On 2 gloo ranks, a step routes each rank's tokens (top-2 of 4 experts, 2 per
 rank), dispatches them, runs every local expert on its rows (a per-row weight
 gather standing in for a grouped GEMM; nothing read on the host), combines with
 the router weights and takes a weighted loss. It is compiled with
-``fullgraph=True`` on aot_eager and run for 20 steps, each with a fresh routing
-and fresh weights, in both modes, the loss's backward included. Checked per
-rank and mode:
+``fullgraph=True`` on aot_eager (so a graph break fails the step) and run for 20
+steps, each with a fresh routing and fresh weights, the loss's backward
+included, in each mode: exact, static, and the :class:`funcoll.moe.Dropless`
+policy (its forward run through ``policy.run``, starting from a capacity that
+the first step overflows). On 3 ranks, one of them with no tokens, exact mode and
+the policy run 8 steps. Checked per rank and mode:
 
-- one compile (``CompileCounterWithBackend.frame_count == 1``) and no graph
-  break (``torch._dynamo.explain``);
-- every step's output, loss and the gradients of ``x``, ``topk_weights`` and
-  the experts' weights equal the same step run eagerly;
-- the AOT graphs' host reads: static mode has none (no ``_local_scalar_dense``,
-  no funcoll custom op, forward or backward); exact mode has exactly one,
-  the ``funcoll::host_ints`` read of the counts in the forward graph, and none
-  in the backward.
+- one compile (``CompileCounterWithBackend.frame_count == 1``); the policy: one
+  for its exact reruns and at most one per capacity it grew through;
+- every step's output, loss, dropped count and the gradients of ``x``,
+  ``topk_weights`` and the experts' weights equal the same step run eagerly (the
+  eager policy growing through the same capacities), and the policy drops nothing;
+- the AOT graphs' host reads (2 ranks): static mode and the policy's steady
+  state have none (no ``_local_scalar_dense``, no funcoll custom op, forward or
+  backward); exact mode has exactly one, the ``funcoll::host_ints`` read of the
+  counts in the forward graph, and none in the backward.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import funcoll
 from funcoll import moe
 from funcoll.testing import run_ranks
 
-STEPS = 20
 E_LOCAL, K, H = 2, 2, 6
-TOKENS = (7, 4)  # per rank
+TOKENS = {2: (7, 4), 3: (7, 0, 4)}  # per rank, per world: T = 0 on a rank at 3
+STEPS = {2: 20, 3: 8}  # fewer at 3 ranks (and no plain static mode, which dropless runs): suite time
+MODES = {2: ("exact", "static", "dropless"), 3: ("exact", "dropless")}
 CAPACITY = 5  # static mode: some steps drop pairs
-MODES = ("exact", "static")
+DROPLESS_START = 2  # the Dropless policy's first capacity: its first step overflows
 
 
 def _inputs(step: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    t = TOKENS[rank]
+    t = TOKENS[world][rank]
     x = torch.randn(t, H, generator=g, dtype=torch.float64)
     idx = torch.rand(t, world * E_LOCAL, generator=g).argsort(1)[:, :K].contiguous()
     if step % 4 == 1:  # every pair to one expert some steps: the skewed routings
@@ -53,9 +60,10 @@ def _experts(rank: int) -> Tensor:
     return torch.randn(E_LOCAL, H, H, generator=g, dtype=torch.float64) / H
 
 
-def step_fn(x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+def step_fn(x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: Any) -> tuple[Tensor, Tensor, Tensor]:
     capacity = CAPACITY if mode == "static" else None
-    recv, h = moe.dispatch(x, idx, weights.shape[0] * 2, mode=mode, capacity=capacity, align=4)
+    num_experts = weights.shape[0] * funcoll.axis_size(None)
+    recv, h = moe.dispatch(x, idx, num_experts, mode=mode, capacity=capacity, align=4)
     rows = torch.arange(recv.shape[0], device=recv.device)
     expert = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)  # padding rows: any expert
     y = torch.einsum("nh,nhg->ng", recv, weights[expert])
@@ -73,59 +81,76 @@ def _host_reads(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def _one_step(fn: Any, step: int, rank: int, world: int, mode: str) -> list[Tensor]:
+def _one_step(fn: Any, step: int, rank: int, world: int, mode: Any) -> list[Tensor]:
     x, idx, w = _inputs(step, rank, world)
     weights = _experts(rank).requires_grad_()
     x.requires_grad_()
     w.requires_grad_()
-    out, loss, dropped = fn(x, idx, w, weights, mode)
+    if isinstance(mode, moe.Dropless):  # the forward through the policy: one overflow check a step
+        out, loss, dropped = mode.run(fn, x, idx, w, weights, mode)
+    else:
+        out, loss, dropped = fn(x, idx, w, weights, mode)
     loss.backward()
     return [out.detach(), loss.detach(), dropped, x.grad, w.grad, weights.grad]
 
 
+def _steps(fn: Any, rank: int, world: int, mode: str) -> tuple[list[list[Tensor]], list[int]]:
+    """STEPS steps of fresh routings; with the dropless policy, also its capacity at each step's start."""
+    policy = moe.Dropless(DROPLESS_START) if mode == "dropless" else None
+    got, capacities = [], []
+    for s in range(STEPS[world]):
+        capacities.append(policy.capacity if policy else 0)
+        got.append(_one_step(fn, s, rank, world, policy or mode))
+    return got, capacities
+
+
 def _run(rank: int, world: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in MODES[world]:
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(step_fn, fullgraph=True, backend=counter)
-        got = [_one_step(compiled, s, rank, world, mode) for s in range(STEPS)]
-        eager = [_one_step(step_fn, s, rank, world, mode) for s in range(STEPS)]
-        graphs: list[torch.fx.GraphModule] = []
+        got, capacities = _steps(compiled, rank, world, mode)
+        eager, eager_capacities = _steps(step_fn, rank, world, mode)
+        assert capacities == eager_capacities, (capacities, eager_capacities)
+        res[mode] = {"frames": counter.frame_count, "capacities": capacities, "got": got, "eager": eager}
+        if world == 2:  # the AOT graphs' host reads (the same graphs at any world size)
+            graphs: list[torch.fx.GraphModule] = []
 
-        def keep(gm: torch.fx.GraphModule, _: object, graphs: list = graphs) -> torch.fx.GraphModule:
-            graphs.append(gm)
-            return gm
+            def keep(gm: torch.fx.GraphModule, _: object, graphs: list = graphs) -> torch.fx.GraphModule:
+                graphs.append(gm)
+                return gm
 
-        torch._dynamo.reset()
-        traced = torch.compile(
-            step_fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
-        )
-        _one_step(traced, 0, rank, world, mode)
-        torch._dynamo.reset()
-        x, idx, w = _inputs(0, rank, world)
-        breaks = torch._dynamo.explain(step_fn)(x, idx, w, _experts(rank), mode).graph_break_count
-        res[mode] = {
-            "frames": counter.frame_count,
-            "got": got,
-            "eager": eager,
-            "reads": [_host_reads(gm) for gm in graphs],
-            "breaks": breaks,
-        }
+            torch._dynamo.reset()
+            traced = torch.compile(
+                step_fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
+            )
+            # The graphs of the steady state: a dropless policy whose capacity fits is static mode.
+            policy = moe.Dropless(max(capacities)) if mode == "dropless" else None
+            _one_step(traced, 0, rank, world, policy or mode)
+            res[mode]["reads"] = [_host_reads(gm) for gm in graphs]
     return res
 
 
-def test_compiled_moe_step_one_graph_matches_eager() -> None:
-    results = run_ranks(_run, 2, timeout=540)
+@pytest.mark.parametrize("world", sorted(TOKENS), ids=lambda w: f"w{w}-T{'.'.join(map(str, TOKENS[w]))}")
+def test_compiled_moe_step_one_graph_matches_eager(world: int) -> None:
+    results = run_ranks(_run, world, timeout=540)
     names = ("out", "loss", "dropped", "x.grad", "topk_weights.grad", "W.grad")
     dropped_any = False
     for rank, res in enumerate(results):
-        for mode in MODES:
+        for mode in MODES[world]:
             r = res[mode]
-            assert r["frames"] == 1, f"rank {rank} {mode}: {r['frames']} compiles"
-            assert r["breaks"] == 0, f"rank {rank} {mode}: {r['breaks']} graph breaks"
-            want = [[], []] if mode == "static" else [["funcoll.host_ints.default"], []]
-            assert r["reads"] == want, f"rank {rank} {mode}: host reads {r['reads']}"
+            frames = r["frames"]
+            if mode == "dropless":
+                # A graph for the exact reruns, and static graphs for the capacities it grew
+                # through: one each at most (dynamo's automatic dynamic may make the capacity
+                # a symbol after its first change), none once the capacity stopped growing.
+                grew = sorted(set(r["capacities"]))
+                assert 2 <= frames <= len(grew) + 1, f"rank {rank}: {frames} compiles, capacities {grew}"
+            else:
+                assert frames == 1, f"rank {rank} {mode}: {frames} compiles"
+            want = [["funcoll.host_ints.default"], []] if mode == "exact" else [[], []]
+            assert world != 2 or r["reads"] == want, f"rank {rank} {mode}: host reads {r['reads']}"
             for s, (a, b) in enumerate(zip(r["got"], r["eager"], strict=True)):
                 for name, ta, tb in zip(names, a, b, strict=True):
                     torch.testing.assert_close(
@@ -134,4 +159,8 @@ def test_compiled_moe_step_one_graph_matches_eager() -> None:
                         msg=lambda m, n=name, r=rank, md=mode, st=s: f"rank {r} {md} step {st} {n}: {m}",
                     )
                 dropped_any |= mode == "static" and int(a[2]) > 0
-    assert dropped_any, "no static step dropped a pair: the capacity is too large to test the drop path"
+                assert mode != "dropless" or int(a[2]) == 0, f"rank {rank} dropless step {s} dropped"
+    if "static" in MODES[world]:
+        assert dropped_any, "no static step dropped a pair: the capacity is too large to test the drop path"
+    # The policy met overflows (its first step at least) and grew: the rerun path ran compiled.
+    assert len(set(results[0]["dropless"]["capacities"])) >= 2, results[0]["dropless"]["capacities"]

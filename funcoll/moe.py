@@ -39,14 +39,21 @@ Modes, and where each reads the device on the host:
   rank's receive buffer is ``world * T * k`` rows of ``H``. (On the wire each
   block has one spare row more, never data.)
 
-There is no ``"auto"`` mode: choosing between the two on every rank alike needs
-a host read of an overflow flag every step, exact mode's one sync already, and
-a compiled graph cannot hold both paths (docs/moe.md).
+- a :class:`Dropless` policy (``mode=policy``): dropless without a host read per
+  layer. Inside ``policy.run(forward, ...)`` every dispatch is static with the
+  policy's capacity and records, on the device, the capacity it needed; after
+  the forward one ``all_reduce`` (max) of that over the group and one host read
+  of the result (the step's one sync) tell every rank alike whether any
+  dispatch of any rank overflowed. If one did, the forward runs again with every
+  dispatch in exact mode (that step's results are exact), and the capacity
+  grows to the next power of two that fits, so later steps fit again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,7 +64,7 @@ from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import host_ints
 
-__all__ = ["MODES", "MoEHandle", "combine", "dispatch"]
+__all__ = ["MODES", "Dropless", "MoEHandle", "combine", "dispatch"]
 
 MODES = ("exact", "static")
 
@@ -77,6 +84,8 @@ class MoEHandle:
         counts: int64 ``(E_local,)`` on ``x``'s device: the rows each local expert received.
         offsets: int64 ``(E_local,)``: where each local expert's block starts in ``recv``.
         dropped: int64 0-d: this rank's (token, choice) pairs dropped for capacity (0 in exact mode).
+        needed: int64 0-d: the capacity this rank needed to drop nothing, the most
+            pairs it routed to one rank (static mode: compare with `capacity`).
         send_index: per row sent, the token it is (a padding slot of static mode:
             ``T``, a zero row after x's rows).
         recv_source: per row of ``recv``, the received row it holds (outside the
@@ -100,6 +109,7 @@ class MoEHandle:
     counts: Tensor
     offsets: Tensor
     dropped: Tensor
+    needed: Tensor
     send_index: Tensor
     recv_source: Tensor
     back_index: Tensor
@@ -112,6 +122,130 @@ class MoEHandle:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_R = TypeVar("_R")
+
+
+class Dropless:
+    """Dropless dispatch with static shapes while the routing fits, and one host read per step.
+
+    Pass the policy as every dispatch's `mode` and run the forward through
+    :meth:`run`. Inside it, each ``dispatch(..., mode=policy)`` is a static
+    dispatch with ``policy.capacity`` rows per (source, destination) block (no
+    host read, static shapes: the compiled graph of the steady state) and keeps,
+    on the device, the largest capacity any of them needed (``handle.needed``).
+    After the forward, :meth:`run` takes the maximum over the group (one
+    ``all_reduce`` of one int64) and reads it on the host: the step's one
+    device-to-host sync, whatever the number of MoE layers. Every rank reads the
+    same value, so every rank takes the same path:
+
+    - it fits (``needed <= capacity``): nothing was dropped; the forward's result
+      is returned.
+    - it overflowed: the forward runs again with every dispatch in exact mode (one
+      host read per dispatch on that step only), its result is returned, and with
+      `grow` the capacity becomes the smallest power of two ``>= needed``, so that
+      the steps after it fit again (a compiled forward compiles once per capacity
+      it meets: at most ``log2(T * k)`` times, plus once for exact mode).
+
+    The forward must be one that may run twice: it returns what the step needs
+    (a loss, outputs) and leaves the optimizer step to the caller. The random
+    number generators (CPU, and the current CUDA device's) are restored before it
+    runs again, so dropout draws the same masks. ``policy.replays`` counts the
+    steps that ran twice, ``policy.needed`` is the last step's agreed need.
+
+    Args:
+        capacity: the static capacity to start with (rows per block, the same on
+            every rank), e.g. ``ceil(1.25 * T * k / world)``.
+        group: the group whose ranks agree on the overflow: every rank that runs
+            the forward (default: the default group).
+        grow: grow the capacity after an overflow (default True).
+
+    Example (2 ranks)::
+
+        policy = Dropless(capacity=2)
+        def forward(x, idx, w):
+            recv, handle = dispatch(x, idx, 4, mode=policy)
+            return combine(recv, handle, w)
+        # rank 0: x = [[1.], [2.], [3.]], idx = [[0], [1], [0]]: 3 pairs to rank 0
+        # rank 1: x = [[4.]], idx = [[2]], w = ones
+        out = policy.run(forward, x, idx, w)   # rank 0: [[1.], [2.], [3.]]   rank 1: [[4.]]
+        policy.replays, policy.capacity        # both: (1, 4): rank 0 needed 3 > 2
+    """
+
+    def __init__(self, capacity: int, *, group: GroupLike = None, grow: bool = True) -> None:
+        if not _is_int(capacity):
+            raise TypeError(f"funcoll.moe.Dropless: `capacity` must be an int, got {type(capacity).__name__}")
+        if capacity < 0:
+            raise ValueError(f"funcoll.moe.Dropless: `capacity`={capacity} must be >= 0 (rows per block)")
+        resolve_group("funcoll.moe.Dropless", group)  # a bad group is refused here, not after a forward
+        self.capacity = capacity
+        self.group = group
+        self.grow = bool(grow)
+        self.replays = 0
+        self.needed: int | None = None
+        self._active = False  # inside run()
+        self._exact = False  # the second run of an overflowed step
+        self._need: Tensor | None = None  # the largest need of this run's dispatches, on the device
+
+    def __repr__(self) -> str:
+        return f"Dropless(capacity={self.capacity}, grow={self.grow}, replays={self.replays})"
+
+    def run(self, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+        """``fn(*args, **kwargs)`` with every ``dispatch(..., mode=self)`` in it dropless (see the class)."""
+        opname = "funcoll.moe.Dropless.run"
+        if self._active:
+            raise RuntimeError(f"{opname}: already running: a policy's forward cannot run it again inside")
+        rng = _rng_state()
+        self._active, self._need = True, None
+        try:
+            out = fn(*args, **kwargs)
+            need = self._need
+        finally:
+            self._active, self._need = False, None
+        if need is None:
+            raise ValueError(f"{opname}: `fn` made no dispatch with mode=this policy: nothing to check")
+        agreed = _even.all_reduce(need, group=self.group, op="max")
+        # Device-to-host sync, the one of a step: every rank learns whether any dispatch overflowed.
+        self.needed = int(agreed.item())
+        if self.needed <= self.capacity:
+            return out
+        del out  # the dropped forward's graph goes before the exact one is built
+        self.replays += 1
+        if self.grow:
+            self.capacity = 1 << (self.needed - 1).bit_length()
+        _set_rng_state(rng)
+        self._active, self._exact = True, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._active, self._exact = False, False
+
+    def _mode(self, capacity: object) -> tuple[str, int | None]:
+        """The mode and capacity a dispatch with ``mode=self`` runs with."""
+        opname = "funcoll.moe.dispatch"
+        if not self._active:
+            raise ValueError(
+                f"{opname}: `mode`={self!r} dispatches inside policy.run(forward, ...), which checks the "
+                f"overflow after the forward; called outside it"
+            )
+        if capacity is not None:
+            raise ValueError(f"{opname}: `capacity`={capacity} is the policy's own with mode=Dropless")
+        return ("exact", None) if self._exact else ("static", self.capacity)
+
+    def _record(self, needed: Tensor) -> None:
+        self._need = needed if self._need is None else torch.maximum(self._need, needed)
+
+
+def _rng_state() -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
 
 
 def _check_dispatch_args(
@@ -150,7 +284,7 @@ def _check_dispatch_args(
             f"(each rank owns num_experts // world experts)"
         )
     if mode not in MODES:
-        raise ValueError(f"{opname}: `mode`={mode!r} is not one of {MODES}")
+        raise ValueError(f"{opname}: `mode`={mode!r} is not one of {MODES} or a funcoll.moe.Dropless policy")
     if capacity is not None:
         if not _is_int(capacity):
             raise TypeError(f"{opname}: `capacity` must be an int or None, got {type(capacity).__name__}")
@@ -255,7 +389,7 @@ def dispatch(
     num_experts: int,
     *,
     group: GroupLike = None,
-    mode: str = "exact",
+    mode: str | Dropless = "exact",
     capacity: int | None = None,
     align: int = 1,
 ) -> tuple[Tensor, MoEHandle]:
@@ -268,8 +402,11 @@ def dispatch(
         num_experts: ``E``, a positive multiple of the group's size; rank r owns
             experts ``[r * E_local, (r + 1) * E_local)`` with ``E_local = E // world``.
         group: the communicator.
-        mode: ``"exact"`` (sizes read on the host once, nothing dropped) or
-            ``"static"`` (static shapes, no host read, a capacity per destination).
+        mode: ``"exact"`` (sizes read on the host once, nothing dropped),
+            ``"static"`` (static shapes, no host read, a capacity per destination),
+            or a :class:`Dropless` policy (static with the policy's capacity inside
+            ``policy.run``, which reads one overflow flag per step and runs an
+            overflowed step again in exact mode).
         capacity: static mode: rows each rank may send to each rank (``C``); the
             first ``C`` pairs in token-major order are kept, the rest dropped and
             counted in ``handle.dropped``. None: ``T * k``, dropless (every rank
@@ -307,6 +444,9 @@ def dispatch(
         # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]
     """
     opname = "funcoll.moe.dispatch"
+    policy = mode if isinstance(mode, Dropless) else None
+    if policy is not None:
+        mode, capacity = policy._mode(capacity)
     g = resolve_group(opname, group)
     x, topk_idx = _check_dispatch_args(x, topk_idx, num_experts, g.size, mode, capacity, align)
     world = g.size
@@ -330,9 +470,10 @@ def dispatch(
         send_index = order // k
     else:
         cap = n_pairs if capacity is None else capacity
+        wanted = _count(dest, world)  # pairs bound to each rank, before the capacity
         by_dest = torch.sort(dest, stable=True).indices  # token-major within each destination
         position = torch.empty_like(pairs).scatter_(
-            0, by_dest, pairs - _exclusive(_count(dest, world))[dest[by_dest]]
+            0, by_dest, pairs - _exclusive(wanted)[dest[by_dest]]
         )  # the pair's place among this rank's pairs for its destination
         keep = position < cap
         # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
@@ -351,6 +492,7 @@ def dispatch(
         spare_send = True  # padding slots read the zero row after x's rows (index `tokens`)
         send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens)
     per_expert = _count(expert, num_experts, None if keep is None else keep.to(torch.int64))
+    needed = (per_expert.view(world, e_local).sum(1) if keep is None else wanted).max()
     # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
     recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
     send_rows = _take(x, send_index, spare=spare_send)
@@ -399,9 +541,12 @@ def dispatch(
     out = _take(recv, source, spare=mode == "exact" and align > 1)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
-        align=align, group=group, counts=counts, offsets=offsets, dropped=dropped, send_index=send_index,
-        recv_source=source, back_index=back_index, row_of=row_of, **extra,  # type: ignore[arg-type]
+        align=align, group=group, counts=counts, offsets=offsets, dropped=dropped, needed=needed,
+        send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
+        **extra,  # type: ignore[arg-type]
     )  # fmt: skip
+    if policy is not None and mode == "static":
+        policy._record(needed)
     return out, handle
 
 

@@ -88,6 +88,11 @@ def cases(world: int) -> list[Case]:
         c(world, ragged, 3, 2, 2, 4, "static", "uniform", capacity=0),  # everything dropped
         c(world, (63, *ragged[1:]), 30, 2, 2, 4, "exact", "skewed"),  # odd sizes
         c(world, (63, *ragged[1:]), 30, 2, 4, 1, "static", "uniform", capacity=23),
+        # Dropless policy: the first step overflows and runs again in exact mode, the
+        # second fits the grown capacity; or the capacity fits from the start.
+        c(world, ragged, 4, 2, 2, 4, "dropless", "skewed", capacity=1),
+        c(world, ragged, 3, 1, 1, 1, "dropless", "one_expert", capacity=0),
+        c(world, ragged, 5, 2, 2, 1, "dropless", "uniform", capacity=16),
     ]
 
 
@@ -146,25 +151,44 @@ def run_experts(recv: Tensor, counts: Tensor, offsets: Tensor, weights: Tensor) 
 
 
 # ---------------------------------------------------------------------------------------- ranks
+def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: Any) -> tuple[Tensor, ...]:
+    capacity = case.capacity if case.mode == "static" else None
+    recv, h = moe.dispatch(x, idx, case.num_experts, mode=mode, capacity=capacity, align=case.align)
+    out = moe.combine(run_experts(recv, h.counts, h.offsets, weights), h, w)
+    return out, recv, h.counts, h.offsets, h.dropped
+
+
 def run_case(case: Case, rank: int) -> dict[str, Any]:
     x, idx, w, loss_w = rank_inputs(case, rank)
     mine = slice(rank * case.e_local, (rank + 1) * case.e_local)
     weights = expert_weights(case)[mine].clone().requires_grad_()
     x.requires_grad_()
     w.requires_grad_()
-    recv, h = moe.dispatch(x, idx, case.num_experts, mode=case.mode, capacity=case.capacity, align=case.align)
-    y = run_experts(recv, h.counts, h.offsets, weights)
-    out = moe.combine(y, h, w)
-    (out * loss_w).sum().backward()
+    extra: dict[str, Any] = {}
+    if case.mode == "dropless":  # two steps of the same batch through one policy
+        assert case.capacity is not None
+        policy = moe.Dropless(case.capacity)
+        out, recv, counts, offsets, dropped = policy.run(layer, case, x, idx, w, weights, policy)
+        extra["step0"] = (policy.replays, policy.capacity, policy.needed)
+        (out * loss_w).sum().backward()
+        grads = (x.grad, w.grad, weights.grad)
+        again = policy.run(layer, case, x, idx, w, weights, policy)[0]
+        extra["step1"] = (policy.replays, policy.capacity, policy.needed)
+        extra["out1"] = again.detach()
+    else:
+        out, recv, counts, offsets, dropped = layer(case, x, idx, w, weights, case.mode)
+        (out * loss_w).sum().backward()
+        grads = (x.grad, w.grad, weights.grad)
     return {
         "recv": recv.detach(),
-        "counts": h.counts,
-        "offsets": h.offsets,
-        "dropped": h.dropped,
+        "counts": counts,
+        "offsets": offsets,
+        "dropped": dropped,
         "out": out.detach(),
-        "dx": x.grad,
-        "dw": w.grad,
-        "dW": weights.grad,
+        "dx": grads[0],
+        "dw": grads[1],
+        "dW": grads[2],
+        **extra,
     }
 
 
@@ -208,6 +232,17 @@ def docstring_example(rank: int) -> dict[str, Any]:
     out["combined"] = moe.combine(recv, handle, topk_weights).tolist()
     recv, handle = moe.dispatch(x, topk_idx, 4, align=2)
     out["aligned"], out["offsets"] = recv.tolist(), handle.offsets.tolist()
+    # Dropless's example: rank 0 routes 3 pairs to rank 0, over the capacity of 2.
+    policy = moe.Dropless(capacity=2)
+
+    def forward(x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        recv, handle = moe.dispatch(x, idx, 4, mode=policy)
+        return moe.combine(recv, handle, w)
+
+    x = [torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[4.0]])][rank]
+    idx = [torch.tensor([[0], [1], [0]]), torch.tensor([[2]])][rank]
+    out["dropless"] = policy.run(forward, x, idx, torch.ones(x.shape[0], 1)).tolist()
+    out["policy"] = (policy.replays, policy.capacity)
     return out
 
 
@@ -223,7 +258,7 @@ def run_batch(rank: int, world: int, batch: list[Case]) -> dict[str, Any]:
 def kept(case: Case, idx: Tensor) -> Tensor:
     """Static mode's rule: a rank keeps the first `capacity` pairs per destination, token-major."""
     flat = idx.reshape(-1)
-    if case.mode == "exact":
+    if case.mode != "static":  # exact, and the dropless policy
         return torch.ones_like(idx, dtype=torch.bool)
     cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
     seen = [0] * case.world
@@ -233,6 +268,15 @@ def kept(case: Case, idx: Tensor) -> Tensor:
         keep.append(seen[d] < cap)
         seen[d] += 1
     return torch.tensor(keep, dtype=torch.bool).view(idx.shape)
+
+
+def needed(case: Case) -> int:
+    """The capacity that drops nothing: the most pairs one rank routes to one rank, over the ranks."""
+    most = 0
+    for r in range(case.world):
+        dest = rank_inputs(case, r)[1].reshape(-1) // case.e_local
+        most = max([most, *(int((dest == d).sum()) for d in range(case.world))])
+    return most
 
 
 def reference(case: Case) -> dict[str, Any]:
@@ -267,7 +311,10 @@ def reference(case: Case) -> dict[str, Any]:
             blocks += rows + [torch.zeros(case.hidden, dtype=torch.float64)] * pad
             at += n + pad
         recv = torch.stack(blocks) if blocks else torch.zeros(0, case.hidden, dtype=torch.float64)
-        if case.mode == "static":  # a static number of rows: zeros after the blocks
+        # A static number of rows: zeros after the blocks. The dropless policy's first step
+        # returns static mode's layout when it fits its capacity, exact mode's otherwise.
+        static = case.mode == "static" or (case.mode == "dropless" and needed(case) <= cap)
+        if static:
             total = -(-(case.world * cap + case.e_local * (case.align - 1)) // case.align) * case.align
             recv = torch.cat([recv, recv.new_zeros(total - recv.shape[0], case.hidden)])
         recvs.append(recv)
@@ -331,6 +378,17 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         torch.testing.assert_close(
             got["dW"], ref["dW"][mine], msg=lambda m, where=where: f"{where} W.grad: {m}"
         )
+        if case.mode == "dropless":  # (replays, capacity, agreed need) after each of two steps
+            assert case.capacity is not None
+            torch.testing.assert_close(
+                got["out1"], ref["out"][r], msg=lambda m, where=where: f"{where} out1: {m}"
+            )
+            need = needed(case)
+            if need > case.capacity:  # overflowed once, then fits the power of two it grew to
+                grown = 1 << (need - 1).bit_length()
+                assert got["step0"] == (1, grown, need) and got["step1"] == (1, grown, need), where
+            else:
+                assert got["step0"] == (0, case.capacity, need) == got["step1"], where
 
 
 def test_some_static_case_drops() -> None:
@@ -370,6 +428,8 @@ def test_docstring_examples_hold(batches: Batches) -> None:
     assert rank1["recv"] == [[3.0], [1.0]] and rank1["counts"] == [1, 1]
     assert rank0["aligned"] == [[2.0], [5.0], [4.0], [0.0]] and rank0["offsets"] == [0, 2]
     assert rank0["combined"] == [[0.5], [2.0], [6.0]] and rank1["combined"] == [[4.0], [5.0]]
+    assert rank0["dropless"] == [[1.0], [2.0], [3.0]] and rank1["dropless"] == [[4.0]]
+    assert rank0["policy"] == rank1["policy"] == (1, 4)
 
 
 def test_benchmark_quick_run() -> None:
@@ -388,8 +448,8 @@ def test_benchmark_quick_run() -> None:
 def test_single_rank_without_process_group() -> None:
     """No process group: every expert is local, and the result is the reference's."""
     case = Case(1, (7,), 4, 2, 3, 4, "exact", "uniform")
-    for mode in ("exact", "static"):
-        c = Case(**{**case.__dict__, "mode": mode})
+    for mode, capacity in (("exact", None), ("static", None), ("dropless", 1)):
+        c = Case(**{**case.__dict__, "mode": mode, "capacity": capacity})
         got = run_case(c, 0)
         ref = reference(c)
         torch.testing.assert_close(got["out"], ref["out"][0])
@@ -434,6 +494,25 @@ def test_dispatch_errors(kwargs: dict[str, Any], error: type, start: str) -> Non
     with pytest.raises(error) as info:
         moe.dispatch(args.pop("x"), args.pop("topk_idx"), args.pop("num_experts"), **args)
     assert str(info.value).startswith(start), str(info.value)
+
+
+def test_dropless_errors() -> None:
+    policy = moe.Dropless(2)
+    with pytest.raises(
+        ValueError, match=r"^funcoll.moe.dispatch: `mode`=Dropless\(capacity=2.*called outside it"
+    ):
+        moe.dispatch(X, IDX, 4, mode=policy)
+    with pytest.raises(ValueError, match=r"^funcoll.moe.dispatch: `capacity`=3 is the policy's own"):
+        policy.run(lambda: moe.dispatch(X, IDX, 4, mode=policy, capacity=3))
+    with pytest.raises(ValueError, match=r"^funcoll.moe.Dropless.run: `fn` made no dispatch"):
+        policy.run(lambda: X)
+    with pytest.raises(RuntimeError, match=r"^funcoll.moe.Dropless.run: already running"):
+        policy.run(lambda: policy.run(lambda: X))
+    with pytest.raises(TypeError, match=r"^funcoll.moe.Dropless: `capacity` must be an int, got float"):
+        moe.Dropless(2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^funcoll.moe.Dropless: `capacity`=-1 must be >= 0"):
+        moe.Dropless(-1)
+    assert not policy._active  # an error inside the forward leaves the policy usable
 
 
 def test_expert_id_out_of_range() -> None:
