@@ -16,6 +16,11 @@ compared with a single-process reference built from every rank's input, and a
 check of the setup asserts that the ranks really traced graphs of different
 shapes. Each (world, op) runs in its own ``run_ranks`` call.
 
+``funcoll.moe`` dispatch and combine run too (exact mode, and static mode with a
+capacity that drops nothing), on 4 ranks: each rank routes its tokens over every
+rank's experts in its own pattern, and a rank with no tokens still joins every
+collective of the others.
+
 The mode ``"mixed"`` runs the op eagerly on the even ranks and compiled on the
 odd ones: a rank whose recompile limit is hit, or whose frame fell back after an
 error, meets the others that way, so every choice an op makes (its strategy, the
@@ -83,6 +88,7 @@ class Case:
     arg: Callable[[list[int], int], Any]  # (lengths, rank) -> the step's second argument
     reference: Callable[[list[Tensor], list[int]], list[Tensor | None]]  # -> each rank's y
     grad: bool = True
+    worlds: tuple[int, ...] = tuple(LENGTHS)  # the world sizes it runs at
 
 
 def _no_arg(lengths: list[int], rank: int) -> None:
@@ -151,6 +157,38 @@ def _reduce_scatter_reference(xs: list[Tensor], lengths: list[int]) -> list[Tens
     return [total[offsets[r] : offsets[r + 1]] for r in range(len(xs))]
 
 
+MOE_K, MOE_E_LOCAL = 2, 2
+MOE_CAPACITY = 2 * max(n for calls in LENGTHS.values() for ls in calls for n in ls)  # T * k: drops nothing
+
+
+def _moe_routing(lengths: list[int], rank: int) -> Tensor:
+    """(T, 2) expert ids of rank `rank`: every token a pair of distinct experts, every rank a different pattern."""
+    n_experts = MOE_E_LOCAL * len(lengths)
+    t = torch.arange(lengths[rank]).unsqueeze(1)
+    return (3 * t + rank + torch.tensor([0, 1])) % n_experts
+
+
+def _moe_step(mode: str) -> Callable[[Tensor, Any], Tensor]:
+    def step(x: Tensor, idx: Tensor) -> Tensor:
+        n_experts = MOE_E_LOCAL * funcoll.axis_size(None)
+        capacity = MOE_CAPACITY if mode == "static" else None
+        recv, h = funcoll.moe.dispatch(x, idx, n_experts, mode=mode, capacity=capacity)
+        rows = torch.arange(recv.shape[0], device=recv.device)
+        local = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)
+        y = recv * (1 + local).unsqueeze(1).to(recv.dtype)  # local expert e scales its rows by 1 + e
+        return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
+
+    return step
+
+
+def _moe_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:
+    outs: list[Tensor | None] = []
+    for r, x in enumerate(xs):
+        scale = 1 + _moe_routing(lengths, r) % MOE_E_LOCAL  # (T, k): 1 + the local expert of each choice
+        outs.append(x * (scale.to(x.dtype) * torch.tensor([0.5, 0.25], dtype=x.dtype)).sum(1, keepdim=True))
+    return outs
+
+
 CASES = [
     Case("gather-auto-x(n,3)-dim0", _gather_step("auto", 0), lambda ls, r: (ls[r], 3), _no_arg, _cat_everywhere(0)),
     Case("gather-pad-x(2,n)-dim-1", _gather_step("pad", -1), lambda ls, r: (2, ls[r]), _no_arg, _cat_everywhere(-1)),
@@ -179,6 +217,14 @@ CASES = [
     Case(
         "reduce_scatter-x(sum,2)-sizes-list", _reduce_scatter_step, lambda ls, r: (sum(ls), 2),
         lambda ls, r: list(ls), _reduce_scatter_reference,
+    ),
+    *(
+        # 4 ranks only (their lengths 0, 1, 2 and 7 cover the 2-rank ones): suite time.
+        Case(
+            f"moe-{mode}-x(n,3)-k2", _moe_step(mode), lambda ls, r: (ls[r], 3), _moe_routing, _moe_reference,
+            worlds=(4,),
+        )
+        for mode in ("exact", "static")
     ),
 ]  # fmt: skip
 
@@ -282,6 +328,8 @@ def _params() -> list[Any]:
     params = []
     for world in LENGTHS:
         for i, case in enumerate(CASES):
+            if world not in case.worlds:
+                continue
             reasons = [
                 r for (w, prefix), r in KNOWN_BUGS.items() if w == world and case.name.startswith(prefix)
             ]
@@ -321,6 +369,8 @@ def test_divergent_graphs_match_reference(world: int, case_index: int, dynamic: 
 def test_ranks_really_compiled_different_graphs(world: int, dynamic: Mode) -> None:
     """A check of the setup: in every case some ranks traced graphs with different shapes."""
     for i, case in enumerate(CASES):
+        if world not in case.worlds:
+            continue
         per_rank = [r[dynamic] for r in _results(world, i)]
         if any("error" in res for res in per_rank):
             continue  # reported by test_divergent_graphs_match_reference
