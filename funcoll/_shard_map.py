@@ -4,10 +4,12 @@
 (``psum(x, "tp")``), as JAX does. A name means something only against a mesh:
 the mesh of the enclosing :func:`shard_map`, or one bound with
 ``with funcoll.lax.mesh(device_mesh):``. Both push it on one stack
-(:data:`_MESHES`); the innermost wins. A name resolves to the group of that mesh
-dim, ``(mesh, name)``, and a tuple of names to the group of the sub-mesh they
-span, flattened in the order given (``DeviceMesh._flatten``: JAX's index along
-``("dp", "tp")`` is ``dp_index * tp_size + tp_index``).
+(:data:`_MESHES`); the innermost wins, and hides the names of the meshes
+outside it. A name resolves to the group of that mesh dim, ``(mesh, name)``, and
+a tuple of names to the group of the sub-mesh they span, flattened in mesh order
+(``DeviceMesh._flatten``). JAX indexes a tuple in the order given (along
+``("tp", "dp")``, ``tp_index * dp_size + dp_index``); :class:`Axes` carries the
+static permutation between the two orders, which the collectives apply.
 
 :func:`shard_map` is built on DTensor: every input becomes a DTensor with the
 placements its spec names (``P("dp", None)`` -> ``Shard(0)`` on "dp",
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,6 +40,7 @@ from ._dtensor import contiguous_strides
 from ._group import GroupLike
 
 __all__ = [
+    "Axes",
     "AxisName",
     "P",
     "axis_names",
@@ -136,32 +139,70 @@ def axis_names(opname: str, axis_name: object, device_mesh: DeviceMesh) -> tuple
     return tuple(names)
 
 
-def resolve_axes(opname: str, axis_name: AxisName) -> tuple[GroupLike, tuple[str, ...], DeviceMesh]:
-    """(group, names, mesh): the funcoll group that `axis_name` spans in the current mesh.
+class Axes(NamedTuple):
+    """What an `axis_name` names in the current mesh.
 
-    One name is ``(mesh, name)``; several are the sub-mesh they span, flattened in the
-    order given into one group whose rank is JAX's ``axis_index(axis_name)``.
+    `group` spans its mesh axes taken in MESH order (torch's DeviceMesh flattens
+    sub-meshes that way only), and `size` is its number of ranks. JAX indexes a
+    tuple of axes in the tuple's order, the first name major; where the two orders
+    differ, `order[c]` is the JAX index of the group's rank c and `ranks[j]` the
+    group rank of JAX index j (both None where they agree). The collectives use
+    them to put blocks, permutation pairs and slices in JAX's order: static
+    permutations, fixed while tracing.
+    """
+
+    group: GroupLike  # None for an empty tuple: no axis
+    size: int
+    order: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] | None = None
+
+
+def resolve_axes(opname: str, axis_name: AxisName) -> Axes:
+    """The :class:`Axes` that `axis_name` names in the current mesh.
+
+    One name is ``(mesh, name)``; several are the sub-mesh they span, flattened in
+    mesh order into one group (created once, on every rank; eager or while tracing).
     An empty tuple is no axis: the group is None and callers return `x` unchanged.
     """
     m = current_mesh(opname, axis_name)
     names = axis_names(opname, axis_name, m)
+    size = prod(axis_sizes(m, names))
     if not names:
-        return None, names, m
+        return Axes(None, size)
     if len(names) == 1:
-        return (m, names[0]), names, m
-    known = list(m.mesh_dim_names or ())
-    idx = [known.index(n) for n in names]
-    if idx != sorted(idx):
-        raise NotImplementedError(
-            f"{opname}: `axis_name`={axis_name!r} lists mesh axes out of the mesh's order {tuple(known)}; "
-            f"torch's DeviceMesh flattens sub-meshes in mesh order only, so pass {tuple(sorted(names, key=known.index))}"
-        )
+        return Axes((m, names[0]), size)
+    in_mesh_order = tuple(n for n in (m.mesh_dim_names or ()) if n in names)
     # DeviceMesh._flatten, in two steps that also trace: dynamo runs _create_flatten_mesh on the
     # real mesh while tracing (it creates the group once, on every rank, as eager code does;
     # then it is cached in the root mesh), and get_group finds the flattened dim by its name.
-    flat = "_".join(names)
-    m[names]._create_flatten_mesh(flat)
-    return m.get_group(flat), names, m
+    flat = "_".join(in_mesh_order)
+    m[in_mesh_order]._create_flatten_mesh(flat)
+    group = m.get_group(flat)
+    if in_mesh_order == names:
+        return Axes(group, size)
+    order = _tuple_order(m, in_mesh_order, names)
+    ranks = [0] * size
+    for c, j in enumerate(order):
+        ranks[j] = c
+    return Axes(group, size, order, tuple(ranks))
+
+
+def _tuple_order(
+    device_mesh: DeviceMesh, in_mesh_order: tuple[str, ...], names: tuple[str, ...]
+) -> tuple[int, ...]:
+    """For each rank c of the group over `in_mesh_order`, its index along `names` (row-major, first name major)."""
+    sizes = dict(zip(in_mesh_order, axis_sizes(device_mesh, in_mesh_order), strict=True))
+    order = []
+    for c in range(prod(list(sizes.values()))):
+        coord: dict[str, int] = {}
+        rest = c
+        for n in reversed(in_mesh_order):
+            rest, coord[n] = divmod(rest, sizes[n])
+        j = 0
+        for n in names:
+            j = j * sizes[n] + coord[n]
+        order.append(j)
+    return tuple(order)
 
 
 def prod(sizes: Sequence[int]) -> int:

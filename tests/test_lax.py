@@ -115,8 +115,10 @@ def lax_cases(world: int) -> list[Case]:
         Case("ppermute-3-one-pair", "ppermute", (3,), "i", kw={"perm": [(0, 1)]}),
         Case("pshuffle-2x2-reverse", "pshuffle", (2, 2), "i", kw={"perm": list(reversed(range(w)))}),
     ]
-    if world == 4:  # the 2x2 mesh: one axis, the other, both
-        for axis in ("dp", "tp", ("dp", "tp")):
+    if world == 4:  # a permutation that is not its own inverse: rank i receives from perm[i]
+        out.append(Case("pshuffle-3-rotate", "pshuffle", (3,), "i", kw={"perm": [1, 2, 3, 0]}))
+    if world == 4:  # the 2x2 mesh: one axis, the other, both in mesh order and out of it
+        for axis in ("dp", "tp", ("dp", "tp"), ("tp", "dp")):
             a = "_".join(axis) if isinstance(axis, tuple) else axis
             n = 4 if isinstance(axis, tuple) else 2
             out += [
@@ -140,6 +142,36 @@ def lax_cases(world: int) -> list[Case]:
                     {"perm": [(i, (i + 1) % n) for i in range(n)]},
                 ),
             ]
+        # ("tp", "dp"): JAX's index is tp * 2 + dp, which is not the flattened group's rank order
+        td, m = ("tp", "dp"), "dp_tp"
+        out += [
+            Case("pmean-3-tp_dp", "pmean", (3,), td, m),
+            Case("pmax-2x2-tp_dp", "pmax", (2, 2), td, m, grad=False),
+            Case("pmin-2x2-tp_dp", "pmin", (2, 2), td, m, grad=False),
+            Case("all_gather-3x2-axis1-tp_dp", "all_gather", (3, 2), td, m, {"axis": 1}),
+            Case("all_gather-2x3-axis1-tiled-tp_dp", "all_gather", (2, 3), td, m, {"axis": 1, "tiled": True}),
+            Case(
+                "psum_scatter-3x8-dim1-tiled-tp_dp",
+                "psum_scatter",
+                (3, 8),
+                td,
+                m,
+                {"scatter_dimension": 1, "tiled": True},
+            ),
+            Case(
+                "all_to_all-4x3-s0c0-tp_dp", "all_to_all", (4, 3), td, m, {"split_axis": 0, "concat_axis": 0}
+            ),
+            Case(
+                "all_to_all-3x8-s1c0-tiled-tp_dp",
+                "all_to_all",
+                (3, 8),
+                td,
+                m,
+                {"split_axis": 1, "concat_axis": 0, "tiled": True},
+            ),
+            Case("ppermute-2-pairs-tp_dp", "ppermute", (2,), td, m, {"perm": [(0, 2), (1, 0), (3, 1)]}),
+            Case("pshuffle-2-rotate-tp_dp", "pshuffle", (2,), td, m, {"perm": [1, 2, 3, 0]}),
+        ]
     return out
 
 
@@ -217,6 +249,20 @@ def ragged_args(world: int, rank: int, per: int) -> dict[str, Tensor]:
         "output_offsets": out_off,
         "recv_sizes": recv,
     }
+
+
+# (result key, slices per rank, axis): over the tuple ("tp", "dp"), JAX's index is tp * 2 + dp
+RAGGED = {
+    2: [("ragged-1", 1, "i"), ("ragged-2", 2, "i")],
+    4: [("ragged-1", 1, ("dp", "tp")), ("ragged-2", 2, ("dp", "tp")), ("ragged-2-tp_dp", 2, ("tp", "dp"))],
+}
+
+
+def jax_index(rank: int, axis: Any) -> int:
+    """`rank`'s index along `axis` as JAX computes it: row-major over the names, the first major."""
+    if axis == "i":
+        return rank
+    return members(rank, 4, "dp_tp", axis).index(rank)
 
 
 def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
@@ -394,9 +440,9 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             torch.ones(2, 3)
         ),
         "spec-not-a-P": lambda: funcoll.shard_map(lambda v: v, meshes["i"], ("i",), P()),
+        "psum_scatter-number": lambda: _in(meshes["i"], lambda: lax.psum_scatter(1.0, "i")),
     }
     if world == 4:
-        calls["tuple-out-of-order"] = lambda: _in(meshes["dp_tp"], lambda: lax.psum(x, ("tp", "dp")))
         calls["spec-out-of-order"] = lambda: funcoll.shard_map(
             lambda v: v, meshes["dp_tp"], P(("tp", "dp")), P()
         )(torch.ones(4, 2))
@@ -433,7 +479,7 @@ EXPECTED_ERRORS = {
     "spec-unknown-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp'): 'tp' is not an axis of the mesh ('i',)",
     "spec-not-divisible": "ValueError: funcoll.shard_map: `in_specs` entry P(None, 'i') shards dim 1",
     "spec-not-a-P": "TypeError: funcoll.shard_map: `in_specs` must hold funcoll.P specs",
-    "tuple-out-of-order": "NotImplementedError: funcoll.lax.psum: `axis_name`=('tp', 'dp') lists mesh axes out",
+    "psum_scatter-number": "ValueError: funcoll.lax.psum_scatter: `scatter_dimension`",
     "spec-out-of-order": "NotImplementedError: funcoll.shard_map: `in_specs`=P(('tp', 'dp')) shards dim 0",
 }
 
@@ -461,6 +507,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
             "psum-1": lax.psum(1, "i"),
             "pmean-2.5": lax.pmean(2.5, "i"),
             "psum-bool": lax.psum(torch.tensor([True, rank == 0]), "i"),
+            "pmax-bool": lax.pmax(torch.tensor([rank == 0, False]), "i"),
+            "pmin-bool": lax.pmin(torch.tensor([True, rank == 0]), "i"),
+            "all_gather-number": lax.all_gather(1.5, "i"),
+            "ppermute-number": lax.ppermute(rank, "i", [(i, (i + 1) % world) for i in range(world)]),
             "psum-tree": lax.psum({"a": torch.ones(2), "b": [torch.full((1,), float(rank))]}, "i"),
             "psum-empty-axes": lax.psum(torch.full((2,), float(rank)), ()),
             "axis_index": lax.axis_index("i"),
@@ -483,17 +533,18 @@ def body(rank: int, world: int) -> dict[str, Any]:
             res["scalars"]["axis_index-dp_tp"] = lax.axis_index(("dp", "tp"))
             res["scalars"]["axis_index-tp_dp"] = lax.axis_index(("tp", "dp"))
             res["scalars"]["axis_size-dp_tp"] = lax.axis_size(("dp", "tp"))
-    for per in (1, 2):
+    for key, per, axis in RAGGED[world]:
         try:
-            args = ragged_args(world, rank, per)
+            index = jax_index(rank, axis)
+            args = ragged_args(world, index, per)
             args["operand"].requires_grad_()
             args["output"].requires_grad_()
-            with lax.mesh(meshes["dp_tp"] if world == 4 else meshes["i"]):
-                y = lax.ragged_all_to_all(**args, axis_name=("dp", "tp") if world == 4 else "i")
-            y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, rank))
-            res[f"ragged-{per}"] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
+            with lax.mesh(meshes["i"] if axis == "i" else meshes["dp_tp"]):
+                y = lax.ragged_all_to_all(**args, axis_name=axis)
+            y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, index))
+            res[key] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
         except Exception:  # noqa: BLE001
-            res[f"ragged-{per}"] = {"error": traceback.format_exc(limit=-6)}
+            res[key] = {"error": traceback.format_exc(limit=-6)}
     if world == 2:  # JAX's docstring example, exactly
         a = {0: ([1, 2, 2], [0, 1], [1, 2], [0, 0], [1, 1]), 1: ([3, 4, 0], [0, 1], [1, 1], [1, 2], [2, 1])}[
             rank
@@ -555,10 +606,11 @@ def test_scalars_pytrees_and_indices_follow_jax(world: int) -> None:
         s = results[r]["scalars"]
         assert s["psum-1"] == world  # JAX: psum(1, axis) is the axis size
         assert s["pmean-2.5"] == pytest.approx(2.5)
-        assert s["psum-bool"].dtype == torch.int32 and s["psum-bool"].tolist() == [
-            world,
-            1,
-        ]  # bools summed as int32
+        assert s["psum-bool"].dtype == torch.int32 and s["psum-bool"].tolist() == [world, 1]  # as int32
+        assert s["pmax-bool"].dtype == torch.bool and s["pmax-bool"].tolist() == [True, False]  # bool stays
+        assert s["pmin-bool"].dtype == torch.bool and s["pmin-bool"].tolist() == [True, False]
+        assert s["all_gather-number"].tolist() == [1.5] * world  # a constant is an array, as in JAX
+        assert s["ppermute-number"].item() == (r - 1) % world
         torch.testing.assert_close(s["psum-tree"]["a"], torch.full((2,), float(world)))
         torch.testing.assert_close(s["psum-tree"]["b"][0], torch.full((1,), float(sum(range(world)))))
         torch.testing.assert_close(s["psum-empty-axes"], torch.full((2,), float(r)))  # no axis: x itself
@@ -581,23 +633,27 @@ def test_ragged_all_to_all_is_jax_docstring_example() -> None:
     assert results[1]["ragged-jax-example"].tolist() == [2, 2, 4, 0]
 
 
-@pytest.mark.parametrize("per", [1, 2], ids=lambda p: f"slices_per_rank{p}")
-@pytest.mark.parametrize("world", WORLDS)
-def test_ragged_all_to_all_matches_jax_pseudocode(world: int, per: int) -> None:
+@pytest.mark.parametrize(
+    "world,key,per,axis",
+    [pytest.param(w, *c, id=f"{w}-{c[0]}") for w in WORLDS for c in RAGGED[w]],
+)
+def test_ragged_all_to_all_matches_jax_pseudocode(world: int, key: str, per: int, axis: Any) -> None:
+    """The reference is indexed by JAX's index along `axis` (row-major over its names, in the order given)."""
     results = batch(world)
-    args = [ragged_args(world, r, per) for r in range(world)]
+    args = [ragged_args(world, j, per) for j in range(world)]
     for a in args:
         a["operand"].requires_grad_()
         a["output"].requires_grad_()
     want = ragged_reference(args, per)
-    loss = sum((y * seeded(tuple(y.shape), F64, "ragged-w", per, r)).sum() for r, y in enumerate(want))
+    loss = sum((y * seeded(tuple(y.shape), F64, "ragged-w", per, j)).sum() for j, y in enumerate(want))
     leaves = [t for a in args for t in (a["operand"], a["output"])]
     grads = torch.autograd.grad(loss, leaves)
     for r in range(world):
-        got = _ok(results[r], r, f"ragged-{per}")
-        torch.testing.assert_close(got["y"], want[r].detach())  # the shape is output's: static
-        torch.testing.assert_close(got["grads"][0], grads[2 * r])
-        torch.testing.assert_close(got["grads"][1], grads[2 * r + 1])
+        j = jax_index(r, axis)
+        got = _ok(results[r], r, key)
+        torch.testing.assert_close(got["y"], want[j].detach())  # the shape is output's: static
+        torch.testing.assert_close(got["grads"][0], grads[2 * j])
+        torch.testing.assert_close(got["grads"][1], grads[2 * j + 1])
 
 
 @pytest.mark.parametrize("case", map_cases(), ids=lambda c: c.id)
