@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 import torch
@@ -345,6 +346,10 @@ def shard_map(
     mesh: DeviceMesh | None = None,
     in_specs: Any = None,
     out_specs: Any = None,
+    *,
+    axis_names: AbstractSet[str] = frozenset(),
+    check_vma: bool | None = None,
+    check_rep: bool | None = None,
 ) -> Callable[..., Any]:
     """JAX's ``shard_map``: run `f` on every rank's shards, with ``funcoll.lax`` collectives by axis name.
 
@@ -361,6 +366,20 @@ def shard_map(
             holding the GLOBAL value on every rank, which is sharded here. A sharded
             dim must divide by the product of its axes' sizes, as in JAX.
         out_specs: the same for `f`'s outputs (a P for a single output).
+        axis_names: the mesh axes `f` is manual over, a set (JAX's ``axis_names``);
+            empty, the default, is every axis. Only these may appear in the specs
+            and in the collectives inside `f` (the others are unknown names there).
+            Over the other axes `f` runs on the whole value, replicated: their
+            placements are ``Replicate()`` in and out (a DTensor input sharded over
+            one is gathered first), where JAX leaves their sharding to its compiler.
+            Values and gradients are JAX's.
+        check_vma: False, or left out: funcoll behaves as JAX's ``shard_map`` with
+            ``check_vma=False``. True is refused (NotImplementedError): funcoll does
+            not track which values vary over which axes, so it cannot check
+            `out_specs` as JAX does. (JAX's default is True; its gradients are the
+            same either way for out specs that hold.)
+        check_rep: the older name of `check_vma` (``jax.experimental.shard_map``);
+            pass one of the two.
 
     Returns:
         A function of the global inputs whose outputs are DTensors on `mesh` with
@@ -395,18 +414,31 @@ def shard_map(
     """
     opname = "funcoll.shard_map"
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs)  # type: ignore[return-value]
+        return functools.partial(  # type: ignore[return-value]
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+            axis_names=axis_names, check_vma=check_vma, check_rep=check_rep,
+        )  # fmt: skip
     if not callable(f):
         raise TypeError(f"{opname}: `f` must be callable, got {type(f).__name__}")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{opname}: `mesh` must be a DeviceMesh, got {type(mesh).__name__}")
     if not mesh.mesh_dim_names:
         raise ValueError(f"{opname}: `mesh` needs mesh_dim_names, the axis names specs and collectives use")
+    _check_vma(opname, check_vma, check_rep)
+    manual = _manual_axes(opname, mesh, axis_names)
     for arg, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
         for s in _leaves(specs):
             if not isinstance(s, P):
                 raise TypeError(f"{opname}: `{arg}` must hold funcoll.P specs, got {s!r} in {specs!r}")
+            for a in (a for entry in s for a in _entry_axes(entry)):
+                if a in mesh.mesh_dim_names and a not in manual:
+                    raise ValueError(
+                        f"{opname}: `{arg}`={s!r} names the axis {a!r}, which is not in "
+                        f"`axis_names`={set(axis_names)!r}; specs name the manual axes only"
+                    )
     device_mesh = mesh
+    # The mesh `f` sees: the manual axes only (a name outside them is unknown inside f, as in JAX).
+    bound = mesh if len(manual) == mesh.ndim else mesh[manual]
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
@@ -417,7 +449,7 @@ def shard_map(
         local = _map(
             opname, lambda x, s: _to_local(opname, x, s, device_mesh), list(args), prefix, "in_specs"
         )
-        _MESHES.append(device_mesh)
+        _MESHES.append(bound)
         try:
             out = f(*local)
         finally:
@@ -425,6 +457,36 @@ def shard_map(
         return _map(opname, lambda y, s: _from_local(opname, y, s, device_mesh), out, out_specs, "out_specs")
 
     return mapped
+
+
+def _check_vma(opname: str, check_vma: object, check_rep: object) -> None:
+    """funcoll is JAX's shard_map with check_vma=False; refuse True, under either name."""
+    if check_vma is not None and check_rep is not None:
+        raise TypeError(f"{opname}: pass `check_vma` or its older name `check_rep`, not both")
+    arg, value = ("check_rep", check_rep) if check_rep is not None else ("check_vma", check_vma)
+    if value is None or value is False:
+        return
+    if value is not True:
+        raise TypeError(f"{opname}: `{arg}` must be a bool, got {value!r}")
+    raise NotImplementedError(
+        f"{opname}: `{arg}`=True is not supported: funcoll does not track which values vary over which "
+        f"mesh axes, so it cannot check `out_specs`; it behaves as JAX's shard_map with {arg}=False "
+        f"(pass {arg}=False, or leave it out)"
+    )
+
+
+def _manual_axes(opname: str, device_mesh: DeviceMesh, axis_names: object) -> tuple[str, ...]:
+    """`axis_names` checked as JAX checks it, in mesh order; every axis when it is empty."""
+    known = tuple(device_mesh.mesh_dim_names or ())
+    if not isinstance(axis_names, (set, frozenset)):
+        raise TypeError(f"{opname}: `axis_names` must be a set of mesh axis names, got {axis_names!r}")
+    unknown = [a for a in axis_names if a not in known]
+    if unknown:
+        raise ValueError(
+            f"{opname}: `axis_names`={set(axis_names)!r} names {unknown[0]!r}, which is not an axis of "
+            f"the mesh {known}"
+        )
+    return tuple(a for a in known if a in axis_names) if axis_names else known
 
 
 def _leaves(specs: Any) -> Iterator[Any]:

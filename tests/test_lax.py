@@ -281,7 +281,7 @@ def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
 # ------------------------------------------------------------------------------- shard_map
 @dataclass(frozen=True)
 class MapCase:
-    """shard_map(f, mesh, in_specs, out_specs) on global inputs; `ref` is the global function."""
+    """shard_map(f, mesh, in_specs, out_specs, **kw) on global inputs; `ref` is the global function."""
 
     id: str
     f: Callable[..., Any]
@@ -290,10 +290,15 @@ class MapCase:
     in_specs: Any
     out_specs: Any
     dtensor_in: tuple[Any, ...] | None = None  # placements to distribute each input with first
+    kw: dict[str, Any] = field(default_factory=dict)  # shard_map's keyword arguments
 
 
 def _psum_tp(x: Tensor) -> Tensor:
     return lax.psum(x, "tp")
+
+
+def _psum_dp(x: Tensor) -> Tensor:
+    return lax.psum(x, "dp")
 
 
 def _gather_dp_tp(x: Tensor) -> Tensor:
@@ -325,7 +330,15 @@ def map_cases() -> list[MapCase]:
         # a replicated output of a sum over "tp": psum's backward meets the divided cotangent
         MapCase("psum-tp-to-replicated", _psum_tp, psum_tp_ref, ((3, 4),), (P(None, "tp"),), P()),
         # an input replicated over "tp" (P("dp")): psum of an invariant value is axis_size * x, as in JAX
-        MapCase("psum-of-replicated", _psum_tp, lambda x: 2 * x, ((4, 3),), (P("dp"),), P("dp")),
+        MapCase(
+            "psum-of-replicated",
+            _psum_tp,
+            lambda x: 2 * x,
+            ((4, 3),),
+            (P("dp"),),
+            P("dp"),
+            kw={"check_rep": False},
+        ),
         # all 4 ranks' rows gathered over the flattened ("dp", "tp") axis
         MapCase("all_gather-dp_tp", _gather_dp_tp, lambda x: 3 * x, ((8, 2),), (P(("dp", "tp")),), P()),
         # a DTensor input on other placements is redistributed; Shard(1) over "tp" comes back
@@ -338,7 +351,26 @@ def map_cases() -> list[MapCase]:
             P("dp", "tp"),
             dtensor_in=(("R", "S1"),),
         ),
-        MapCase("ppermute-tp-ring", _ring, ring_ref, ((2, 6),), P(None, "tp"), P(None, "tp")),
+        MapCase(
+            "ppermute-tp-ring",
+            _ring,
+            ring_ref,
+            ((2, 6),),
+            P(None, "tp"),
+            P(None, "tp"),
+            kw={"check_vma": False},
+        ),
+        # manual over "dp" only: f runs on whole "tp" values (an input sharded over "tp" is gathered)
+        MapCase(
+            "axis_names-dp-dtensor-sharded-over-tp",
+            _psum_dp,
+            lambda x: x[:2] + x[2:],
+            ((4, 3),),
+            (P("dp"),),
+            P(),
+            dtensor_in=(("R", "S0"),),
+            kw={"axis_names": {"dp"}},
+        ),
         MapCase(
             "dict-in-two-out",
             _two_outputs,
@@ -395,7 +427,7 @@ def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
             for x, ps in zip(inputs, case.dtensor_in, strict=True)
         ]
     leaves = [t.requires_grad_() for t in _leaves(inputs)]
-    outs = _leaves(funcoll.shard_map(case.f, mesh, case.in_specs, case.out_specs)(*inputs))
+    outs = _leaves(funcoll.shard_map(case.f, mesh, case.in_specs, case.out_specs, **case.kw)(*inputs))
     full = [o.full_tensor() for o in outs]
     loss = sum((o * w).sum() for o, w in zip(full, _weights(case, full), strict=True))
     loss.backward()
@@ -440,9 +472,26 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             torch.ones(2, 3)
         ),
         "spec-not-a-P": lambda: funcoll.shard_map(lambda v: v, meshes["i"], ("i",), P()),
+        "check_vma-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_vma=True),
+        "check_rep-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_rep=True),
+        "check_vma-and-check_rep": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
+        ),
+        "axis_names-not-a-set": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), axis_names=("i",)
+        ),
+        "axis_names-unknown": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), axis_names={"tp"}
+        ),
         "psum_scatter-number": lambda: _in(meshes["i"], lambda: lax.psum_scatter(1.0, "i")),
     }
     if world == 4:
+        calls["spec-names-an-auto-axis"] = lambda: funcoll.shard_map(
+            lambda v: v, meshes["dp_tp"], P("tp"), P(), axis_names={"dp"}
+        )
+        calls["auto-axis-unknown-inside-f"] = lambda: funcoll.shard_map(
+            lambda v: lax.psum(v, "tp"), meshes["dp_tp"], P("dp"), P(), axis_names={"dp"}
+        )(torch.ones(4, 2))
         calls["spec-out-of-order"] = lambda: funcoll.shard_map(
             lambda v: v, meshes["dp_tp"], P(("tp", "dp")), P()
         )(torch.ones(4, 2))
@@ -479,7 +528,14 @@ EXPECTED_ERRORS = {
     "spec-unknown-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp'): 'tp' is not an axis of the mesh ('i',)",
     "spec-not-divisible": "ValueError: funcoll.shard_map: `in_specs` entry P(None, 'i') shards dim 1",
     "spec-not-a-P": "TypeError: funcoll.shard_map: `in_specs` must hold funcoll.P specs",
+    "check_vma-true": "NotImplementedError: funcoll.shard_map: `check_vma`=True is not supported",
+    "check_rep-true": "NotImplementedError: funcoll.shard_map: `check_rep`=True is not supported",
+    "check_vma-and-check_rep": "TypeError: funcoll.shard_map: pass `check_vma` or its older name `check_rep`",
+    "axis_names-not-a-set": "TypeError: funcoll.shard_map: `axis_names` must be a set of mesh axis names",
+    "axis_names-unknown": "ValueError: funcoll.shard_map: `axis_names`={'tp'} names 'tp', which is not an axis",
     "psum_scatter-number": "ValueError: funcoll.lax.psum_scatter: `scatter_dimension`",
+    "spec-names-an-auto-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp') names the axis 'tp', which is not in",
+    "auto-axis-unknown-inside-f": "ValueError: funcoll.lax.psum: `axis_name`='tp': 'tp' is not an axis of the mesh ('dp',)",
     "spec-out-of-order": "NotImplementedError: funcoll.shard_map: `in_specs`=P(('tp', 'dp')) shards dim 0",
 }
 
