@@ -20,9 +20,12 @@ world size runs every case.
 
 from __future__ import annotations
 
+import importlib.util
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -276,6 +279,90 @@ def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
             at = int(a["output_offsets"][i])
             results[j] = torch.cat([results[j][:at], a["operand"][lo : lo + size], results[j][at + size :]])
     return results
+
+
+# ---------------------------------------------------------------------- JAX's own examples
+TUTORIAL_X = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 2]  # the shard_map tutorial's x
+RING4 = [(i, (i + 1) % 4) for i in range(4)]
+
+
+def jax_examples(rank: int, meshes: dict[str, Any]) -> dict[str, Any]:
+    """JAX's documented examples with 4 devices, as JAX writes them (the test holds JAX's printed values).
+
+    The docstrings of psum, pmean, all_gather, psum_scatter and axis_index map over
+    ``x = np.arange(4)`` (device r holds x[r]) or ``np.arange(16).reshape(4, 4)`` (row r)
+    with ``jax.pmap``: here each rank holds the same under ``lax.mesh``. The shard_map
+    tutorial's collectives run ``shard_map`` over a 1-D mesh "i" of 4 on `TUTORIAL_X`, and
+    over a 2x2 mesh (its ("i", "j") are ("dp", "tp") here) on ``arange(16).reshape(4, 4)``.
+    """
+    x = torch.arange(4)[rank]  # 0-d, int64 (JAX: int32)
+    row = torch.arange(16).reshape(4, 4)[rank]
+    out: dict[str, Any] = {}
+    with lax.mesh(meshes["i"]):
+        out["psum"] = lax.psum(x, "i")
+        out["x/psum"] = x / lax.psum(x, "i")
+        out["psum-rows"] = lax.psum(row, "i")
+        out["pmean"] = lax.pmean(x, "i")
+        out["x/pmean"] = x / lax.pmean(x, "i")
+        out["all_gather"] = lax.all_gather(x, "i")
+        out["all_gather-1"] = lax.all_gather(x.reshape(1), "i")
+        out["all_gather-1-tiled"] = lax.all_gather(x.reshape(1), "i", tiled=True)
+        out["psum_scatter"] = lax.psum_scatter(row, "i")
+        out["psum_scatter-tiled"] = lax.psum_scatter(row, "i", tiled=True)
+        out["axis_index"] = lax.axis_index("i")
+    sm, m, t = funcoll.shard_map, meshes["i"], torch.tensor(TUTORIAL_X)
+    calls = {
+        "tutorial-psum": (sm(lambda b: lax.psum(b, "i"), m, P("i"), P()), t),
+        "tutorial-all_gather-tiled": (
+            sm(lambda b: lax.all_gather(b, "i", tiled=True), m, P("i"), P("i")),
+            torch.tensor([3, 9, 5, 2]),
+        ),
+        "tutorial-all_gather": (
+            sm(lambda b: lax.all_gather(b, "i"), m, P("i"), P("i")),
+            torch.tensor([3, 9, 5, 2]),
+        ),
+        "tutorial-psum_scatter": (sm(lambda b: lax.psum_scatter(b, "i", tiled=True), m, P("i"), P("i")), t),
+        "tutorial-ppermute": (sm(lambda b: lax.ppermute(b, "i", RING4), m, P("i"), P("i")), torch.arange(8)),
+        "tutorial-all_to_all": (
+            sm(lambda b: lax.all_to_all(b, "i", split_axis=0, concat_axis=0, tiled=True), m, P("i"), P("i")),
+            t,
+        ),
+        "tutorial-psum-2d-one-axis": (
+            sm(lambda b: lax.psum(b, "dp"), meshes["dp_tp"], P("dp", "tp"), P(None, "tp")),
+            torch.arange(16).reshape(4, 4),
+        ),
+        "tutorial-psum-2d-both-axes": (
+            sm(lambda b: lax.psum(b, ("dp", "tp")), meshes["dp_tp"], P("dp", "tp"), P(None, None)),
+            torch.arange(16).reshape(4, 4),
+        ),
+    }
+    for name, (fn, value) in calls.items():
+        out[name] = fn(value).full_tensor()
+    return out
+
+
+# what JAX prints for each (per rank where the devices differ)
+JAX_EXAMPLES: dict[str, Any] = {
+    "psum": [6] * 4,
+    "x/psum": [0.0, 1 / 6, 1 / 3, 0.5],
+    "psum-rows": [[24, 28, 32, 36]] * 4,
+    "pmean": [1.5] * 4,
+    "x/pmean": [0.0, 2 / 3, 4 / 3, 2.0],
+    "all_gather": [[0, 1, 2, 3]] * 4,
+    "all_gather-1": [[[0], [1], [2], [3]]] * 4,
+    "all_gather-1-tiled": [[0, 1, 2, 3]] * 4,
+    "psum_scatter": [24, 28, 32, 36],
+    "psum_scatter-tiled": [[24], [28], [32], [36]],
+    "axis_index": [0, 1, 2, 3],
+    "tutorial-psum": [[22, 20, 12, 17]] * 4,
+    "tutorial-all_gather-tiled": [[3, 9, 5, 2] * 4] * 4,
+    "tutorial-all_gather": [[[3], [9], [5], [2]] * 4] * 4,
+    "tutorial-psum_scatter": [[22, 20, 12, 17]] * 4,
+    "tutorial-ppermute": [[6, 7, 0, 1, 2, 3, 4, 5]] * 4,
+    "tutorial-all_to_all": [[3, 5, 5, 9, 1, 9, 3, 7, 4, 2, 5, 1, 1, 6, 8, 2]] * 4,
+    "tutorial-psum-2d-one-axis": [[[8, 10, 12, 14], [16, 18, 20, 22]]] * 4,
+    "tutorial-psum-2d-both-axes": [[[20, 24], [36, 40]]] * 4,
+}
 
 
 # ------------------------------------------------------------------------------- shard_map
@@ -601,6 +688,15 @@ def body(rank: int, world: int) -> dict[str, Any]:
             res[key] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
         except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc(limit=-6)}
+    if world == 4:
+        for key, fn in (
+            ("jax-examples", lambda: jax_examples(rank, meshes)),
+            ("docs-snippet", lambda: _snippet().step(rank, world)),
+        ):
+            try:
+                res[key] = fn()
+            except Exception:  # noqa: BLE001
+                res[key] = {"error": traceback.format_exc(limit=-8)}
     if world == 2:  # JAX's docstring example, exactly
         a = {0: ([1, 2, 2], [0, 1], [1, 2], [0, 0], [1, 1]), 1: ([3, 4, 0], [0, 1], [1, 1], [1, 2], [2, 1])}[
             rank
@@ -622,6 +718,16 @@ def body(rank: int, world: int) -> dict[str, Any]:
 
 
 batch = once_per_world(body, TIMEOUT_S)
+SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "jax_shard_map.py"
+
+
+def _snippet() -> ModuleType:
+    """docs/jax.md's shard_map example, loaded from its file (docs/snippets is not a package)."""
+    spec = importlib.util.spec_from_file_location("funcoll_docs_jax_shard_map", SNIPPET)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
@@ -743,3 +849,34 @@ def test_bad_calls_raise_before_communicating(world: int) -> None:
         for name, message in results[r]["errors"].items():
             assert message.startswith(EXPECTED_ERRORS[name]), f"rank {r}, {name}: {message}"
     assert "i'," in EXPECTED_ERRORS["unknown-axis"]  # the message lists the known axes
+
+
+def test_jax_documented_examples_hold_literally() -> None:
+    """The printed values of JAX's docstrings and shard_map tutorial, on 4 ranks, exactly."""
+    results = batch(4)
+    for r in range(4):
+        got = _ok(results[r], r, "jax-examples")
+        assert set(got) == set(JAX_EXAMPLES)
+        for name, want in JAX_EXAMPLES.items():
+            value = got[name]
+            value = value.tolist() if isinstance(value, Tensor) else value
+            expected = want[r]
+            if name in ("x/psum", "x/pmean", "pmean"):
+                assert value == pytest.approx(expected), (r, name, value)
+            else:
+                assert value == expected, (r, name, value)
+
+
+def test_docs_shard_map_snippet_matches_single_process() -> None:
+    """docs/snippets/jax_shard_map.py (the example on docs/jax.md) on 4 ranks against the plain MLP."""
+    mod = _snippet()
+    x, w1, w2 = (t.requires_grad_() for t in mod.global_inputs())
+    want = torch.tanh(x @ w1) @ w2
+    grads = torch.autograd.grad(want.square().sum(), [x, w1, w2])
+    results = batch(4)
+    for r in range(4):
+        got = _ok(results[r], r, "docs-snippet")
+        assert got["placements"] == "(Shard(dim=0), Replicate())"
+        torch.testing.assert_close(got["y"], want.detach())
+        for g, w in zip(got["grads"], grads, strict=True):
+            torch.testing.assert_close(g, w)
