@@ -20,7 +20,6 @@ world size runs every case.
 
 from __future__ import annotations
 
-import importlib.util
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from _inputs import once_per_world, seeded
+from _inputs import load_file, once_per_world, seeded
 from torch import Tensor
 
 import funcoll
@@ -722,12 +721,8 @@ SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "jax_shard
 
 
 def _snippet() -> ModuleType:
-    """docs/jax.md's shard_map example, loaded from its file (docs/snippets is not a package)."""
-    spec = importlib.util.spec_from_file_location("funcoll_docs_jax_shard_map", SNIPPET)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """docs/jax.md's shard_map example."""
+    return load_file(SNIPPET, "funcoll_docs_jax_shard_map")
 
 
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
