@@ -4,8 +4,10 @@
   (a flattened sub-mesh), compiled with ``fullgraph=True`` and the mesh bound by
   ``with funcoll.lax.mesh(m):`` inside the compiled function: no graph break
   (``torch._dynamo.utils.counters["graph_break"]`` stays empty), and values and
-  float64 gradients equal eager. ``ragged_all_to_all`` compiles with its static
-  shapes (no host read, so nothing to break on).
+  float64 gradients equal eager; ``("tp", "dp")``, out of mesh order, too (its
+  block permutations are static). No forward or backward graph reads the host
+  (no ``aten._local_scalar_dense``, no ``funcoll::host_ints``): ``ragged_all_to_all``
+  included, whose shapes are static.
 * Two JAX programs ported line for line, written with ``funcoll.lax`` inside
   ``funcoll.shard_map`` over the ("dp", "tp") mesh, compiled fullgraph, equal to
   eager and to a single-process computation of the global function (outputs and
@@ -17,6 +19,9 @@
     the ring with ``ppermute`` (``axis_size - 1`` hops), softmax over the whole
     sequence, and the sequence-parallel ``all_gather`` / ``psum_scatter`` pair
     around a per-token layer.
+
+  The MLP runs once more, compiled, on DTensor inputs (one of them on other
+  placements, redistributed inside the graph), against the same reference.
 
 One ``run_ranks`` call runs everything (aot_eager, as funcoll's other compile tests).
 """
@@ -69,6 +74,8 @@ def _ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]
         ),
         "all_to_all-tp": (lambda x: lax.all_to_all(x, "tp", 0, 1), (2, 3)),
         "all_to_all-dp_tp-tiled": (lambda x: lax.all_to_all(x, dt, 1, 0, tiled=True), (3, 4)),
+        # out of mesh order: JAX's index order, by static block permutations on both sides
+        "all_to_all-tp_dp-tiled": (lambda x: lax.all_to_all(x, ("tp", "dp"), 1, 0, tiled=True), (3, 4)),
         "ppermute-dp_tp-ring": (lambda x: lax.ppermute(x, dt, [(i, (i + 1) % 4) for i in range(4)]), (2, 3)),
         "pshuffle-tp": (lambda x: lax.pshuffle(x, "tp", [1, 0]), (3,)),
         "axis_index-size": (lambda x: x * lax.axis_index(dt) + lax.axis_size("tp"), (2,)),
@@ -145,6 +152,19 @@ def _port_inputs(name: str) -> list[Tensor]:
     return [_rand(*shape, key=(name, i)) for i, shape in enumerate(PORTS[name][2])]
 
 
+# The MLP again, its inputs DTensors: w1 and w2 on their specs' placements, x replicated
+# (shard_map redistributes it to Shard(0) over "dp" inside the compiled graph).
+DTENSOR_PORT = "megatron_mlp-dtensor-in"
+DTENSOR_PLACEMENTS = (("R", "R"), ("R", "S1"), ("R", "S0"))
+
+
+def _distribute(t: Tensor, m: Any, codes: tuple[str, str]) -> Any:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    placements = [Replicate() if c == "R" else Shard(int(c[1:])) for c in codes]
+    return distribute_tensor(t, m, placements).requires_grad_()
+
+
 def _port_weight(name: str, shape: tuple[int, ...]) -> Tensor:
     return _rand(*shape, key=(name, "w"))
 
@@ -168,10 +188,12 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 return fn(v)
 
         try:
-            compiled = torch.compile(bound, fullgraph=True, backend="aot_eager")
+            backend, graphs = _keeping_backend()  # aot_eager's graphs, kept to read their host reads
+            compiled = torch.compile(bound, fullgraph=True, backend=backend)
             y = compiled(x)
             w = _rand(*y.shape, key=(name, "w", rank))
             out[name] = {"compiled": _run(compiled, x, w), "eager": _run(bound, x, w)}
+            out[name]["host_reads"] = [_host_reads(gm) for gm in graphs]
         except Exception:  # noqa: BLE001 -- reported by the op's test
             out[name] = {"error": traceback.format_exc(limit=-10)}
     for name, (fn, _, _, in_specs, out_specs) in PORTS.items():
@@ -191,8 +213,44 @@ def body(rank: int, world: int) -> dict[str, Any]:
             out[name] = runs
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc(limit=-10)}
+    try:
+        fn, _, _, in_specs, out_specs = PORTS["megatron_mlp"]
+        compiled = torch.compile(
+            funcoll.shard_map(fn, m, in_specs, out_specs), fullgraph=True, backend="aot_eager"
+        )
+        inputs = [
+            _distribute(t, m, c)
+            for t, c in zip(_port_inputs("megatron_mlp"), DTENSOR_PLACEMENTS, strict=True)
+        ]
+        y = compiled(*inputs)
+        full = y.full_tensor()
+        (full * _port_weight("megatron_mlp", tuple(full.shape))).sum().backward()
+        out[DTENSOR_PORT] = {"compiled": {"y": full.detach(), "placements": [str(p) for p in y.placements],
+                                          "grads": [t.grad.full_tensor() for t in inputs]}}  # fmt: skip
+    except Exception:  # noqa: BLE001
+        out[DTENSOR_PORT] = {"error": traceback.format_exc(limit=-10)}
     out["graph_breaks"] = dict(counters["graph_break"])
     return out
+
+
+def _keeping_backend() -> tuple[Callable[..., Any], list[torch.fx.GraphModule]]:
+    """aot_eager, keeping the forward and backward ATen graphs it runs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: object) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep), graphs
+
+
+def _host_reads(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's device-to-host reads: ``aten._local_scalar_dense`` (what a captured ``.item()`` /
+    ``.tolist()`` traces to) and ``funcoll::host_ints`` (funcoll's own read of exchanged sizes)."""
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and any(k in str(n.target) for k in ("_local_scalar_dense", "host_ints"))]  # fmt: skip
 
 
 _RESULTS: list[Any] = []
@@ -221,6 +279,29 @@ def test_compiled_lax_op_equals_eager(name: str) -> None:
         got = _ok(res, r, name)
         torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"], rtol=0, atol=0)
         torch.testing.assert_close(got["compiled"]["grad"], got["eager"]["grad"])
+
+
+@pytest.mark.parametrize("name", list(_ops(0)))
+def test_compiled_lax_op_reads_nothing_on_the_host(name: str) -> None:
+    """No ``_local_scalar_dense`` (``.item()``) in the forward or backward graph: ragged_all_to_all included."""
+    for r, res in enumerate(results()):
+        got = _ok(res, r, name)
+        reads = got["host_reads"]  # the inference graph of the first call, then forward and backward
+        assert len(reads) == 3, f"rank {r}: {len(reads)} graphs"
+        assert reads == [[], [], []], f"rank {r}: host reads {reads}"
+
+
+def test_compiled_shard_map_of_dtensor_inputs_equals_single_process() -> None:
+    """The MLP port with DTensor inputs (one redistributed inside the graph): global output and gradients."""
+    inputs = [t.requires_grad_() for t in _port_inputs("megatron_mlp")]
+    want = mlp_reference(*inputs)
+    grads = torch.autograd.grad((want * _port_weight("megatron_mlp", tuple(want.shape))).sum(), inputs)
+    for r, res in enumerate(results()):
+        got = _ok(res, r, DTENSOR_PORT)["compiled"]
+        assert got["placements"] == ["S(0)", "R"], f"rank {r}"
+        torch.testing.assert_close(got["y"], want.detach(), msg=lambda m, r=r: f"rank {r}: {m}")
+        for i, (g, w) in enumerate(zip(got["grads"], grads, strict=True)):
+            torch.testing.assert_close(g, w, msg=lambda m, r=r, i=i: f"rank {r}, input {i}: {m}")
 
 
 @pytest.mark.parametrize("name", list(PORTS))

@@ -4,10 +4,12 @@
 (``psum(x, "tp")``), as JAX does. A name means something only against a mesh:
 the mesh of the enclosing :func:`shard_map`, or one bound with
 ``with funcoll.lax.mesh(device_mesh):``. Both push it on one stack
-(:data:`_MESHES`); the innermost wins. A name resolves to the group of that mesh
-dim, ``(mesh, name)``, and a tuple of names to the group of the sub-mesh they
-span, flattened in the order given (``DeviceMesh._flatten``: JAX's index along
-``("dp", "tp")`` is ``dp_index * tp_size + tp_index``).
+(:data:`_MESHES`); the innermost wins, and hides the names of the meshes
+outside it. A name resolves to the group of that mesh dim, ``(mesh, name)``, and
+a tuple of names to the group of the sub-mesh they span, flattened in mesh order
+(``DeviceMesh._flatten``). JAX indexes a tuple in the order given (along
+``("tp", "dp")``, ``tp_index * dp_size + dp_index``); :class:`Axes` carries the
+static permutation between the two orders, which the collectives apply.
 
 :func:`shard_map` is built on DTensor: every input becomes a DTensor with the
 placements its spec names (``P("dp", None)`` -> ``Shard(0)`` on "dp",
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,6 +41,7 @@ from ._dtensor import contiguous_strides
 from ._group import GroupLike
 
 __all__ = [
+    "Axes",
     "AxisName",
     "P",
     "axis_names",
@@ -136,32 +140,70 @@ def axis_names(opname: str, axis_name: object, device_mesh: DeviceMesh) -> tuple
     return tuple(names)
 
 
-def resolve_axes(opname: str, axis_name: AxisName) -> tuple[GroupLike, tuple[str, ...], DeviceMesh]:
-    """(group, names, mesh): the funcoll group that `axis_name` spans in the current mesh.
+class Axes(NamedTuple):
+    """What an `axis_name` names in the current mesh.
 
-    One name is ``(mesh, name)``; several are the sub-mesh they span, flattened in the
-    order given into one group whose rank is JAX's ``axis_index(axis_name)``.
+    `group` spans its mesh axes taken in MESH order (torch's DeviceMesh flattens
+    sub-meshes that way only), and `size` is its number of ranks. JAX indexes a
+    tuple of axes in the tuple's order, the first name major; where the two orders
+    differ, `order[c]` is the JAX index of the group's rank c and `ranks[j]` the
+    group rank of JAX index j (both None where they agree). The collectives use
+    them to put blocks, permutation pairs and slices in JAX's order: static
+    permutations, fixed while tracing.
+    """
+
+    group: GroupLike  # None for an empty tuple: no axis
+    size: int
+    order: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] | None = None
+
+
+def resolve_axes(opname: str, axis_name: AxisName) -> Axes:
+    """The :class:`Axes` that `axis_name` names in the current mesh.
+
+    One name is ``(mesh, name)``; several are the sub-mesh they span, flattened in
+    mesh order into one group (created once, on every rank; eager or while tracing).
     An empty tuple is no axis: the group is None and callers return `x` unchanged.
     """
     m = current_mesh(opname, axis_name)
     names = axis_names(opname, axis_name, m)
+    size = prod(axis_sizes(m, names))
     if not names:
-        return None, names, m
+        return Axes(None, size)
     if len(names) == 1:
-        return (m, names[0]), names, m
-    known = list(m.mesh_dim_names or ())
-    idx = [known.index(n) for n in names]
-    if idx != sorted(idx):
-        raise NotImplementedError(
-            f"{opname}: `axis_name`={axis_name!r} lists mesh axes out of the mesh's order {tuple(known)}; "
-            f"torch's DeviceMesh flattens sub-meshes in mesh order only, so pass {tuple(sorted(names, key=known.index))}"
-        )
+        return Axes((m, names[0]), size)
+    in_mesh_order = tuple(n for n in (m.mesh_dim_names or ()) if n in names)
     # DeviceMesh._flatten, in two steps that also trace: dynamo runs _create_flatten_mesh on the
     # real mesh while tracing (it creates the group once, on every rank, as eager code does;
     # then it is cached in the root mesh), and get_group finds the flattened dim by its name.
-    flat = "_".join(names)
-    m[names]._create_flatten_mesh(flat)
-    return m.get_group(flat), names, m
+    flat = "_".join(in_mesh_order)
+    m[in_mesh_order]._create_flatten_mesh(flat)
+    group = m.get_group(flat)
+    if in_mesh_order == names:
+        return Axes(group, size)
+    order = _tuple_order(m, in_mesh_order, names)
+    ranks = [0] * size
+    for c, j in enumerate(order):
+        ranks[j] = c
+    return Axes(group, size, order, tuple(ranks))
+
+
+def _tuple_order(
+    device_mesh: DeviceMesh, in_mesh_order: tuple[str, ...], names: tuple[str, ...]
+) -> tuple[int, ...]:
+    """For each rank c of the group over `in_mesh_order`, its index along `names` (row-major, first name major)."""
+    sizes = dict(zip(in_mesh_order, axis_sizes(device_mesh, in_mesh_order), strict=True))
+    order = []
+    for c in range(prod(list(sizes.values()))):
+        coord: dict[str, int] = {}
+        rest = c
+        for n in reversed(in_mesh_order):
+            rest, coord[n] = divmod(rest, sizes[n])
+        j = 0
+        for n in names:
+            j = j * sizes[n] + coord[n]
+        order.append(j)
+    return tuple(order)
 
 
 def prod(sizes: Sequence[int]) -> int:
@@ -304,6 +346,10 @@ def shard_map(
     mesh: DeviceMesh | None = None,
     in_specs: Any = None,
     out_specs: Any = None,
+    *,
+    axis_names: AbstractSet[str] = frozenset(),
+    check_vma: bool | None = None,
+    check_rep: bool | None = None,
 ) -> Callable[..., Any]:
     """JAX's ``shard_map``: run `f` on every rank's shards, with ``funcoll.lax`` collectives by axis name.
 
@@ -320,6 +366,20 @@ def shard_map(
             holding the GLOBAL value on every rank, which is sharded here. A sharded
             dim must divide by the product of its axes' sizes, as in JAX.
         out_specs: the same for `f`'s outputs (a P for a single output).
+        axis_names: the mesh axes `f` is manual over, a set (JAX's ``axis_names``);
+            empty, the default, is every axis. Only these may appear in the specs
+            and in the collectives inside `f` (the others are unknown names there).
+            Over the other axes `f` runs on the whole value, replicated: their
+            placements are ``Replicate()`` in and out (a DTensor input sharded over
+            one is gathered first), where JAX leaves their sharding to its compiler.
+            Values and gradients are JAX's.
+        check_vma: False, or left out: funcoll behaves as JAX's ``shard_map`` with
+            ``check_vma=False``. True is refused (NotImplementedError): funcoll does
+            not track which values vary over which axes, so it cannot check
+            `out_specs` as JAX does. (JAX's default is True; its gradients are the
+            same either way for out specs that hold.)
+        check_rep: the older name of `check_vma` (``jax.experimental.shard_map``);
+            pass one of the two.
 
     Returns:
         A function of the global inputs whose outputs are DTensors on `mesh` with
@@ -354,18 +414,31 @@ def shard_map(
     """
     opname = "funcoll.shard_map"
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs)  # type: ignore[return-value]
+        return functools.partial(  # type: ignore[return-value]
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+            axis_names=axis_names, check_vma=check_vma, check_rep=check_rep,
+        )  # fmt: skip
     if not callable(f):
         raise TypeError(f"{opname}: `f` must be callable, got {type(f).__name__}")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{opname}: `mesh` must be a DeviceMesh, got {type(mesh).__name__}")
     if not mesh.mesh_dim_names:
         raise ValueError(f"{opname}: `mesh` needs mesh_dim_names, the axis names specs and collectives use")
+    _check_vma(opname, check_vma, check_rep)
+    manual = _manual_axes(opname, mesh, axis_names)
     for arg, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
         for s in _leaves(specs):
             if not isinstance(s, P):
                 raise TypeError(f"{opname}: `{arg}` must hold funcoll.P specs, got {s!r} in {specs!r}")
+            for a in (a for entry in s for a in _entry_axes(entry)):
+                if a in mesh.mesh_dim_names and a not in manual:
+                    raise ValueError(
+                        f"{opname}: `{arg}`={s!r} names the axis {a!r}, which is not in "
+                        f"`axis_names`={set(axis_names)!r}; specs name the manual axes only"
+                    )
     device_mesh = mesh
+    # The mesh `f` sees: the manual axes only (a name outside them is unknown inside f, as in JAX).
+    bound = mesh if len(manual) == mesh.ndim else mesh[manual]
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
@@ -376,7 +449,7 @@ def shard_map(
         local = _map(
             opname, lambda x, s: _to_local(opname, x, s, device_mesh), list(args), prefix, "in_specs"
         )
-        _MESHES.append(device_mesh)
+        _MESHES.append(bound)
         try:
             out = f(*local)
         finally:
@@ -384,6 +457,36 @@ def shard_map(
         return _map(opname, lambda y, s: _from_local(opname, y, s, device_mesh), out, out_specs, "out_specs")
 
     return mapped
+
+
+def _check_vma(opname: str, check_vma: object, check_rep: object) -> None:
+    """funcoll is JAX's shard_map with check_vma=False; refuse True, under either name."""
+    if check_vma is not None and check_rep is not None:
+        raise TypeError(f"{opname}: pass `check_vma` or its older name `check_rep`, not both")
+    arg, value = ("check_rep", check_rep) if check_rep is not None else ("check_vma", check_vma)
+    if value is None or value is False:
+        return
+    if value is not True:
+        raise TypeError(f"{opname}: `{arg}` must be a bool, got {value!r}")
+    raise NotImplementedError(
+        f"{opname}: `{arg}`=True is not supported: funcoll does not track which values vary over which "
+        f"mesh axes, so it cannot check `out_specs`; it behaves as JAX's shard_map with {arg}=False "
+        f"(pass {arg}=False, or leave it out)"
+    )
+
+
+def _manual_axes(opname: str, device_mesh: DeviceMesh, axis_names: object) -> tuple[str, ...]:
+    """`axis_names` checked as JAX checks it, in mesh order; every axis when it is empty."""
+    known = tuple(device_mesh.mesh_dim_names or ())
+    if not isinstance(axis_names, (set, frozenset)):
+        raise TypeError(f"{opname}: `axis_names` must be a set of mesh axis names, got {axis_names!r}")
+    unknown = [a for a in axis_names if a not in known]
+    if unknown:
+        raise ValueError(
+            f"{opname}: `axis_names`={set(axis_names)!r} names {unknown[0]!r}, which is not an axis of "
+            f"the mesh {known}"
+        )
+    return tuple(a for a in known if a in axis_names) if axis_names else known
 
 
 def _leaves(specs: Any) -> Iterator[Any]:

@@ -4,7 +4,11 @@ Each function has JAX's signature and semantics and is a thin layer over one
 funcoll op: it resolves `axis_name` against the current mesh (the enclosing
 :func:`funcoll.shard_map`, or ``with funcoll.lax.mesh(device_mesh):``) into a
 group, canonicalises JAX's arguments into the op's, and calls it. A tuple of
-axis names is the group of the sub-mesh they span, flattened in the order given.
+axis names is the group of the sub-mesh they span, in any order: indices along it
+are JAX's, the first name major (``axis_index(("tp", "dp"))`` is
+``tp * dp_size + dp``). torch flattens sub-meshes in mesh order only, so where the
+tuple's order differs the ops permute blocks, pairs and slices between the two
+orders (static permutations, differentiable; reductions need none).
 The backward of each is the op's, which is JAX's transpose: ``psum`` to
 ``psum``, ``all_gather`` to ``psum_scatter``, ``all_to_all`` to the
 ``all_to_all`` with the axes swapped, ``ppermute`` to the inverse permutation.
@@ -39,7 +43,7 @@ from torch.utils import _pytree
 from . import _even
 from ._checks import check_dim
 from ._dtensor import is_dtensor
-from ._group import GroupLike, resolve_group
+from ._group import resolve_group
 from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, prod, resolve_axes
 
 __all__ = [
@@ -64,7 +68,12 @@ _T = TypeVar("_T")
 def _leaves(
     opname: str, x: _T, fn: Callable[[Tensor], Tensor], number: Callable[[Any], Any] | None = None
 ) -> _T:
-    """Apply `fn` to every tensor leaf of the pytree `x` (JAX maps collectives over pytrees)."""
+    """Apply `fn` to every tensor leaf of the pytree `x` (JAX maps collectives over pytrees).
+
+    A Python int or float leaf goes to `number` where the op has a rule for constants
+    (the reductions: ``psum(1, "i")`` is the axis size), else it becomes a 0-d tensor
+    on the current mesh's device and goes to `fn`, as JAX binds a constant as an array.
+    """
 
     def leaf(v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -74,8 +83,10 @@ def _leaves(
                     f"funcoll.shard_map passes to its function (or x.to_local())"
                 )
             return fn(v)
-        if number is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
-            return number(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if number is not None:
+                return number(v)
+            return fn(torch.tensor(v, device=current_mesh(opname, None).device_type))
         raise TypeError(
             f"{opname}: `x` must be a tensor or a pytree of tensors, got a leaf {type(v).__name__}"
         )
@@ -85,21 +96,28 @@ def _leaves(
     return _pytree.tree_map(leaf, x)  # type: ignore[no-any-return]
 
 
-def _group(opname: str, axis_name: AxisName) -> tuple[GroupLike, int]:
-    """(group, its size) that `axis_name` names; group None for an empty tuple (no axis)."""
-    group, names, m = resolve_axes(opname, axis_name)
-    return group, prod(axis_sizes(m, names))
+def _blocks(v: Tensor, d: int, order: Sequence[int] | None) -> Tensor:
+    """`v` with the ``len(order)`` equal blocks of dim `d` reordered: block i is `v`'s block ``order[i]``.
+
+    How a collective over a tuple of axes given out of mesh order meets JAX's index
+    order (:class:`Axes`): a static permutation, a ``cat`` of ``narrow`` views, whose
+    backward is the inverse permutation. None: `v` itself.
+    """
+    if order is None:
+        return v
+    n = v.shape[d] // len(order)
+    return torch.cat([v.narrow(d, i * n, n) for i in order], d)
 
 
 def _reduce(opname: str, x: _T, axis_name: AxisName, op: str, number: Callable[[Any, int], Any]) -> _T:
-    group, size = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)  # the order of the axes does not change a reduction
 
     def one(v: Tensor) -> Tensor:
-        if v.dtype == torch.bool:  # JAX reduces booleans as int32
+        if v.dtype == torch.bool and op == "sum":  # JAX sums booleans as int32; pmax/pmin keep bool
             v = v.to(torch.int32)
-        return _even.all_reduce(v, group=group, op=op) if group is not None else v.clone()
+        return _even.all_reduce(v, group=ax.group, op=op) if ax.group is not None else v.clone()
 
-    return _leaves(opname, x, one, lambda n: number(n, size))
+    return _leaves(opname, x, one, lambda n: number(n, ax.size))
 
 
 def psum(x: _T, axis_name: AxisName) -> _T:
@@ -107,7 +125,7 @@ def psum(x: _T, axis_name: AxisName) -> _T:
 
     Args:
         x: this rank's tensor (or a pytree of them, or a Python number), the same
-            shape and dtype on every rank. Booleans are summed as int32.
+            shape and dtype on every rank. Booleans are summed as int32, as in JAX.
         axis_name: a mesh axis name, or a tuple of them (the sub-mesh they span).
 
     Returns:
@@ -149,7 +167,7 @@ def pmean(x: _T, axis_name: AxisName) -> _T:
         # backward with grad 1.0: rank 0 x.grad = [1., 1.], rank 1 [1., 1.]
     """
     opname = "funcoll.lax.pmean"
-    _, size = _group(opname, axis_name)
+    size = resolve_axes(opname, axis_name).size
     summed = _reduce(opname, x, axis_name, "sum", lambda n, _: n * size)
     return _leaves(opname, summed, lambda v: v / size, lambda n: n / size)
 
@@ -162,7 +180,8 @@ def pmax(x: _T, axis_name: AxisName) -> _T:
         axis_name: a mesh axis name, or a tuple of them.
 
     Returns:
-        A new tensor of ``x.shape``, the same on every rank of the axis.
+        A new tensor of ``x.shape`` and ``x.dtype`` (a bool `x` stays bool, as in
+        JAX), the same on every rank of the axis.
 
     Backward: none, as in JAX: a backward through it raises.
 
@@ -182,7 +201,8 @@ def pmin(x: _T, axis_name: AxisName) -> _T:
         axis_name: a mesh axis name, or a tuple of them.
 
     Returns:
-        A new tensor of ``x.shape``, the same on every rank of the axis.
+        A new tensor of ``x.shape`` and ``x.dtype`` (a bool `x` stays bool, as in
+        JAX), the same on every rank of the axis.
 
     Backward: none, as in JAX: a backward through it raises.
 
@@ -219,13 +239,13 @@ def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False
         # backward with grad 1.0: rank 0 x.grad = [2., 2.], rank 1 [2., 2.]
     """
     opname = "funcoll.lax.all_gather"
-    group, _ = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)
 
     def one(v: Tensor) -> Tensor:
         d = check_dim(opname, v, axis, "axis", extra=0 if tiled else 1)
-        if group is None:
+        if ax.group is None:
             return v.clone() if tiled else v.unsqueeze(d).clone()
-        return _even.all_gather(v, d, group=group, tiled=tiled)
+        return _blocks(_even.all_gather(v, d, group=ax.group, tiled=tiled), d, ax.ranks)
 
     return _leaves(opname, x, one)
 
@@ -258,7 +278,8 @@ def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tile
         # backward with grad 1.0: rank 0 x.grad = [[1., 1.], [1., 1.]], rank 1 [[1., 1.], [1., 1.]]
     """
     opname = "funcoll.lax.psum_scatter"
-    group, size = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)
+    size = ax.size
 
     def one(v: Tensor) -> Tensor:
         d = check_dim(opname, v, scatter_dimension, "scatter_dimension")
@@ -273,9 +294,9 @@ def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tile
                 f"{opname}: x.shape[{d}]={n} (`scatter_dimension`={scatter_dimension}) must equal the size "
                 f"{size} of axis {axis_name!r} (tiled=False)"
             )
-        if group is None:
+        if ax.group is None:
             return v.clone() if tiled else v.squeeze(d).clone()
-        return _even.reduce_scatter(v, d, group=group, op="sum", tiled=tiled)
+        return _even.reduce_scatter(_blocks(v, d, ax.order), d, group=ax.group, op="sum", tiled=tiled)
 
     return _leaves(opname, x, one)
 
@@ -309,7 +330,8 @@ def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *,
         # backward with grad [[1.], [2.], [3.], [4.]]: rank 0 x.grad = [[1., 1.], [2., 2.]], rank 1 [[3., 3.], [4., 4.]]
     """
     opname = "funcoll.lax.all_to_all"
-    group, size = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)
+    size = ax.size
 
     def one(v: Tensor) -> Tensor:
         s = check_dim(opname, v, split_axis, "split_axis")
@@ -334,10 +356,10 @@ def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *,
             elif c < s:
                 v = v.unsqueeze(c)
                 s += 1
-        if group is None:
+        if ax.group is None:
             y = v.clone()
-        else:
-            y = _even.all_to_all(v, group, s, c)
+        else:  # chunk j goes to JAX index j, and arrives at the place of its source's JAX index
+            y = _blocks(_even.all_to_all(_blocks(v, s, ax.order), ax.group, s, c), c, ax.ranks)
         return y.squeeze(s) if not tiled and s != c else y
 
     return _leaves(opname, x, one)
@@ -366,11 +388,14 @@ def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
         # backward with grad [1., 2.]: rank 0 x.grad = [1., 2.], rank 1 [0., 0.]
     """
     opname = "funcoll.lax.ppermute"
-    group, _ = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)
     pairs = [tuple(p) for p in perm]
-    if group is None:
+    if ax.group is None:
         return _leaves(opname, x, lambda v: v.clone() if (0, 0) in pairs else torch.zeros_like(v))
-    return _leaves(opname, x, lambda v: _even.ppermute(v, pairs, group=group))  # type: ignore[arg-type]
+    if ax.ranks is not None:  # JAX indices to the group's ranks; the op checks the pairs
+        ranks = ax.ranks
+        pairs = [tuple(ranks[i] if isinstance(i, int) and 0 <= i < ax.size else i for i in p) for p in pairs]
+    return _leaves(opname, x, lambda v: _even.ppermute(v, pairs, group=ax.group))  # type: ignore[arg-type]
 
 
 def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
@@ -393,7 +418,7 @@ def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
         pshuffle(x, "i", [0, 1])      # rank 0: [1., 1.]      rank 1: [2., 2.]
     """
     opname = "funcoll.lax.pshuffle"
-    _, size = _group(opname, axis_name)
+    size = resolve_axes(opname, axis_name).size
     srcs = list(perm)
     if any(isinstance(p, bool) or not isinstance(p, int) for p in srcs) or sorted(srcs) != list(range(size)):
         raise ValueError(f"{opname}: `perm`={perm!r} is not a permutation of range({size}), the axis size")
@@ -531,7 +556,8 @@ def ragged_all_to_all(
     send = _offsets(opname, "send_sizes", send_sizes, k, dev)
     out_off = _offsets(opname, "output_offsets", output_offsets, k, dev)
     recv = _offsets(opname, "recv_sizes", recv_sizes, k, dev)
-    group, size = _group(opname, axis_name)
+    ax = resolve_axes(opname, axis_name)
+    group, size = ax.group, ax.size
     if k % size != 0:
         raise ValueError(
             f"{opname}: the offset and size arrays have {k} entries, not a multiple of the axis size {size}"
@@ -543,9 +569,10 @@ def ragged_all_to_all(
     rows = (in_off[:, None] + steps).clamp(0, max(n - 1, 0))  # (K, cap)
     keep = (steps < send[:, None]).reshape(k, cap, *([1] * (operand.dim() - 1)))
     slices = torch.where(keep, operand[rows], torch.zeros((), dtype=operand.dtype, device=dev))
-    if group is not None and size > 1:  # slice k goes to rank k // (K / size), in order
-        slices = _even.all_to_all(slices, group, 0, 0)
-        out_off = _even.all_to_all(out_off, group, 0, 0)
+    if group is not None and size > 1:  # slice k goes to JAX index k // (K / size), in the group's order
+        slices = _even.all_to_all(_blocks(slices, 0, ax.order), group, 0, 0)
+        out_off = _even.all_to_all(_blocks(out_off, 0, ax.order), group, 0, 0)
+        recv = _blocks(recv, 0, ax.order)  # what arrives comes in the group's order of the sources
     # Receiver: slice k's first recv_sizes[k] rows go to out_off[k] + j; the rest to a spare row M, cut off.
     at = out_off[:, None] + steps  # (K, cap)
     at = torch.where((steps < recv[:, None]) & (at >= 0) & (at < m), at, m)

@@ -1,9 +1,12 @@
-"""Deterministic per-rank inputs and the cached batch runner shared by the test modules."""
+"""Deterministic per-rank inputs, the cached batch runner and the file loader shared by the test modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,3 +46,12 @@ def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], 
         return done[world]
 
     return batch
+
+
+def load_file(path: Path, name: str) -> ModuleType:
+    """The Python file at `path` as a module called `name` (docs/snippets/ and examples/ are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -23,11 +23,13 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from _inputs import once_per_world, seeded
+from _inputs import load_file, once_per_world, seeded
 from torch import Tensor
 
 import funcoll
@@ -115,8 +117,10 @@ def lax_cases(world: int) -> list[Case]:
         Case("ppermute-3-one-pair", "ppermute", (3,), "i", kw={"perm": [(0, 1)]}),
         Case("pshuffle-2x2-reverse", "pshuffle", (2, 2), "i", kw={"perm": list(reversed(range(w)))}),
     ]
-    if world == 4:  # the 2x2 mesh: one axis, the other, both
-        for axis in ("dp", "tp", ("dp", "tp")):
+    if world == 4:  # a permutation that is not its own inverse: rank i receives from perm[i]
+        out.append(Case("pshuffle-3-rotate", "pshuffle", (3,), "i", kw={"perm": [1, 2, 3, 0]}))
+    if world == 4:  # the 2x2 mesh: one axis, the other, both in mesh order and out of it
+        for axis in ("dp", "tp", ("dp", "tp"), ("tp", "dp")):
             a = "_".join(axis) if isinstance(axis, tuple) else axis
             n = 4 if isinstance(axis, tuple) else 2
             out += [
@@ -140,6 +144,36 @@ def lax_cases(world: int) -> list[Case]:
                     {"perm": [(i, (i + 1) % n) for i in range(n)]},
                 ),
             ]
+        # ("tp", "dp"): JAX's index is tp * 2 + dp, which is not the flattened group's rank order
+        td, m = ("tp", "dp"), "dp_tp"
+        out += [
+            Case("pmean-3-tp_dp", "pmean", (3,), td, m),
+            Case("pmax-2x2-tp_dp", "pmax", (2, 2), td, m, grad=False),
+            Case("pmin-2x2-tp_dp", "pmin", (2, 2), td, m, grad=False),
+            Case("all_gather-3x2-axis1-tp_dp", "all_gather", (3, 2), td, m, {"axis": 1}),
+            Case("all_gather-2x3-axis1-tiled-tp_dp", "all_gather", (2, 3), td, m, {"axis": 1, "tiled": True}),
+            Case(
+                "psum_scatter-3x8-dim1-tiled-tp_dp",
+                "psum_scatter",
+                (3, 8),
+                td,
+                m,
+                {"scatter_dimension": 1, "tiled": True},
+            ),
+            Case(
+                "all_to_all-4x3-s0c0-tp_dp", "all_to_all", (4, 3), td, m, {"split_axis": 0, "concat_axis": 0}
+            ),
+            Case(
+                "all_to_all-3x8-s1c0-tiled-tp_dp",
+                "all_to_all",
+                (3, 8),
+                td,
+                m,
+                {"split_axis": 1, "concat_axis": 0, "tiled": True},
+            ),
+            Case("ppermute-2-pairs-tp_dp", "ppermute", (2,), td, m, {"perm": [(0, 2), (1, 0), (3, 1)]}),
+            Case("pshuffle-2-rotate-tp_dp", "pshuffle", (2,), td, m, {"perm": [1, 2, 3, 0]}),
+        ]
     return out
 
 
@@ -219,6 +253,20 @@ def ragged_args(world: int, rank: int, per: int) -> dict[str, Tensor]:
     }
 
 
+# (result key, slices per rank, axis): over the tuple ("tp", "dp"), JAX's index is tp * 2 + dp
+RAGGED = {
+    2: [("ragged-1", 1, "i"), ("ragged-2", 2, "i")],
+    4: [("ragged-1", 1, ("dp", "tp")), ("ragged-2", 2, ("dp", "tp")), ("ragged-2-tp_dp", 2, ("tp", "dp"))],
+}
+
+
+def jax_index(rank: int, axis: Any) -> int:
+    """`rank`'s index along `axis` as JAX computes it: row-major over the names, the first major."""
+    if axis == "i":
+        return rank
+    return members(rank, 4, "dp_tp", axis).index(rank)
+
+
 def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
     """JAX's pseudocode for ragged_all_to_all, in one process."""
     world = len(args)
@@ -232,10 +280,94 @@ def ragged_reference(args: list[dict[str, Tensor]], per: int) -> list[Tensor]:
     return results
 
 
+# ---------------------------------------------------------------------- JAX's own examples
+TUTORIAL_X = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 2]  # the shard_map tutorial's x
+RING4 = [(i, (i + 1) % 4) for i in range(4)]
+
+
+def jax_examples(rank: int, meshes: dict[str, Any]) -> dict[str, Any]:
+    """JAX's documented examples with 4 devices, as JAX writes them (the test holds JAX's printed values).
+
+    The docstrings of psum, pmean, all_gather, psum_scatter and axis_index map over
+    ``x = np.arange(4)`` (device r holds x[r]) or ``np.arange(16).reshape(4, 4)`` (row r)
+    with ``jax.pmap``: here each rank holds the same under ``lax.mesh``. The shard_map
+    tutorial's collectives run ``shard_map`` over a 1-D mesh "i" of 4 on `TUTORIAL_X`, and
+    over a 2x2 mesh (its ("i", "j") are ("dp", "tp") here) on ``arange(16).reshape(4, 4)``.
+    """
+    x = torch.arange(4)[rank]  # 0-d, int64 (JAX: int32)
+    row = torch.arange(16).reshape(4, 4)[rank]
+    out: dict[str, Any] = {}
+    with lax.mesh(meshes["i"]):
+        out["psum"] = lax.psum(x, "i")
+        out["x/psum"] = x / lax.psum(x, "i")
+        out["psum-rows"] = lax.psum(row, "i")
+        out["pmean"] = lax.pmean(x, "i")
+        out["x/pmean"] = x / lax.pmean(x, "i")
+        out["all_gather"] = lax.all_gather(x, "i")
+        out["all_gather-1"] = lax.all_gather(x.reshape(1), "i")
+        out["all_gather-1-tiled"] = lax.all_gather(x.reshape(1), "i", tiled=True)
+        out["psum_scatter"] = lax.psum_scatter(row, "i")
+        out["psum_scatter-tiled"] = lax.psum_scatter(row, "i", tiled=True)
+        out["axis_index"] = lax.axis_index("i")
+    sm, m, t = funcoll.shard_map, meshes["i"], torch.tensor(TUTORIAL_X)
+    calls = {
+        "tutorial-psum": (sm(lambda b: lax.psum(b, "i"), m, P("i"), P()), t),
+        "tutorial-all_gather-tiled": (
+            sm(lambda b: lax.all_gather(b, "i", tiled=True), m, P("i"), P("i")),
+            torch.tensor([3, 9, 5, 2]),
+        ),
+        "tutorial-all_gather": (
+            sm(lambda b: lax.all_gather(b, "i"), m, P("i"), P("i")),
+            torch.tensor([3, 9, 5, 2]),
+        ),
+        "tutorial-psum_scatter": (sm(lambda b: lax.psum_scatter(b, "i", tiled=True), m, P("i"), P("i")), t),
+        "tutorial-ppermute": (sm(lambda b: lax.ppermute(b, "i", RING4), m, P("i"), P("i")), torch.arange(8)),
+        "tutorial-all_to_all": (
+            sm(lambda b: lax.all_to_all(b, "i", split_axis=0, concat_axis=0, tiled=True), m, P("i"), P("i")),
+            t,
+        ),
+        "tutorial-psum-2d-one-axis": (
+            sm(lambda b: lax.psum(b, "dp"), meshes["dp_tp"], P("dp", "tp"), P(None, "tp")),
+            torch.arange(16).reshape(4, 4),
+        ),
+        "tutorial-psum-2d-both-axes": (
+            sm(lambda b: lax.psum(b, ("dp", "tp")), meshes["dp_tp"], P("dp", "tp"), P(None, None)),
+            torch.arange(16).reshape(4, 4),
+        ),
+    }
+    for name, (fn, value) in calls.items():
+        out[name] = fn(value).full_tensor()
+    return out
+
+
+# what JAX prints for each (per rank where the devices differ)
+JAX_EXAMPLES: dict[str, Any] = {
+    "psum": [6] * 4,
+    "x/psum": [0.0, 1 / 6, 1 / 3, 0.5],
+    "psum-rows": [[24, 28, 32, 36]] * 4,
+    "pmean": [1.5] * 4,
+    "x/pmean": [0.0, 2 / 3, 4 / 3, 2.0],
+    "all_gather": [[0, 1, 2, 3]] * 4,
+    "all_gather-1": [[[0], [1], [2], [3]]] * 4,
+    "all_gather-1-tiled": [[0, 1, 2, 3]] * 4,
+    "psum_scatter": [24, 28, 32, 36],
+    "psum_scatter-tiled": [[24], [28], [32], [36]],
+    "axis_index": [0, 1, 2, 3],
+    "tutorial-psum": [[22, 20, 12, 17]] * 4,
+    "tutorial-all_gather-tiled": [[3, 9, 5, 2] * 4] * 4,
+    "tutorial-all_gather": [[[3], [9], [5], [2]] * 4] * 4,
+    "tutorial-psum_scatter": [[22, 20, 12, 17]] * 4,
+    "tutorial-ppermute": [[6, 7, 0, 1, 2, 3, 4, 5]] * 4,
+    "tutorial-all_to_all": [[3, 5, 5, 9, 1, 9, 3, 7, 4, 2, 5, 1, 1, 6, 8, 2]] * 4,
+    "tutorial-psum-2d-one-axis": [[[8, 10, 12, 14], [16, 18, 20, 22]]] * 4,
+    "tutorial-psum-2d-both-axes": [[[20, 24], [36, 40]]] * 4,
+}
+
+
 # ------------------------------------------------------------------------------- shard_map
 @dataclass(frozen=True)
 class MapCase:
-    """shard_map(f, mesh, in_specs, out_specs) on global inputs; `ref` is the global function."""
+    """shard_map(f, mesh, in_specs, out_specs, **kw) on global inputs; `ref` is the global function."""
 
     id: str
     f: Callable[..., Any]
@@ -244,10 +376,15 @@ class MapCase:
     in_specs: Any
     out_specs: Any
     dtensor_in: tuple[Any, ...] | None = None  # placements to distribute each input with first
+    kw: dict[str, Any] = field(default_factory=dict)  # shard_map's keyword arguments
 
 
 def _psum_tp(x: Tensor) -> Tensor:
     return lax.psum(x, "tp")
+
+
+def _psum_dp(x: Tensor) -> Tensor:
+    return lax.psum(x, "dp")
 
 
 def _gather_dp_tp(x: Tensor) -> Tensor:
@@ -279,7 +416,15 @@ def map_cases() -> list[MapCase]:
         # a replicated output of a sum over "tp": psum's backward meets the divided cotangent
         MapCase("psum-tp-to-replicated", _psum_tp, psum_tp_ref, ((3, 4),), (P(None, "tp"),), P()),
         # an input replicated over "tp" (P("dp")): psum of an invariant value is axis_size * x, as in JAX
-        MapCase("psum-of-replicated", _psum_tp, lambda x: 2 * x, ((4, 3),), (P("dp"),), P("dp")),
+        MapCase(
+            "psum-of-replicated",
+            _psum_tp,
+            lambda x: 2 * x,
+            ((4, 3),),
+            (P("dp"),),
+            P("dp"),
+            kw={"check_rep": False},
+        ),
         # all 4 ranks' rows gathered over the flattened ("dp", "tp") axis
         MapCase("all_gather-dp_tp", _gather_dp_tp, lambda x: 3 * x, ((8, 2),), (P(("dp", "tp")),), P()),
         # a DTensor input on other placements is redistributed; Shard(1) over "tp" comes back
@@ -292,7 +437,26 @@ def map_cases() -> list[MapCase]:
             P("dp", "tp"),
             dtensor_in=(("R", "S1"),),
         ),
-        MapCase("ppermute-tp-ring", _ring, ring_ref, ((2, 6),), P(None, "tp"), P(None, "tp")),
+        MapCase(
+            "ppermute-tp-ring",
+            _ring,
+            ring_ref,
+            ((2, 6),),
+            P(None, "tp"),
+            P(None, "tp"),
+            kw={"check_vma": False},
+        ),
+        # manual over "dp" only: f runs on whole "tp" values (an input sharded over "tp" is gathered)
+        MapCase(
+            "axis_names-dp-dtensor-sharded-over-tp",
+            _psum_dp,
+            lambda x: x[:2] + x[2:],
+            ((4, 3),),
+            (P("dp"),),
+            P(),
+            dtensor_in=(("R", "S0"),),
+            kw={"axis_names": {"dp"}},
+        ),
         MapCase(
             "dict-in-two-out",
             _two_outputs,
@@ -349,7 +513,7 @@ def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
             for x, ps in zip(inputs, case.dtensor_in, strict=True)
         ]
     leaves = [t.requires_grad_() for t in _leaves(inputs)]
-    outs = _leaves(funcoll.shard_map(case.f, mesh, case.in_specs, case.out_specs)(*inputs))
+    outs = _leaves(funcoll.shard_map(case.f, mesh, case.in_specs, case.out_specs, **case.kw)(*inputs))
     full = [o.full_tensor() for o in outs]
     loss = sum((o * w).sum() for o, w in zip(full, _weights(case, full), strict=True))
     loss.backward()
@@ -394,9 +558,26 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             torch.ones(2, 3)
         ),
         "spec-not-a-P": lambda: funcoll.shard_map(lambda v: v, meshes["i"], ("i",), P()),
+        "check_vma-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_vma=True),
+        "check_rep-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_rep=True),
+        "check_vma-and-check_rep": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
+        ),
+        "axis_names-not-a-set": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), axis_names=("i",)
+        ),
+        "axis_names-unknown": lambda: funcoll.shard_map(
+            lambda v: v, meshes["i"], P(), P(), axis_names={"tp"}
+        ),
+        "psum_scatter-number": lambda: _in(meshes["i"], lambda: lax.psum_scatter(1.0, "i")),
     }
     if world == 4:
-        calls["tuple-out-of-order"] = lambda: _in(meshes["dp_tp"], lambda: lax.psum(x, ("tp", "dp")))
+        calls["spec-names-an-auto-axis"] = lambda: funcoll.shard_map(
+            lambda v: v, meshes["dp_tp"], P("tp"), P(), axis_names={"dp"}
+        )
+        calls["auto-axis-unknown-inside-f"] = lambda: funcoll.shard_map(
+            lambda v: lax.psum(v, "tp"), meshes["dp_tp"], P("dp"), P(), axis_names={"dp"}
+        )(torch.ones(4, 2))
         calls["spec-out-of-order"] = lambda: funcoll.shard_map(
             lambda v: v, meshes["dp_tp"], P(("tp", "dp")), P()
         )(torch.ones(4, 2))
@@ -433,7 +614,14 @@ EXPECTED_ERRORS = {
     "spec-unknown-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp'): 'tp' is not an axis of the mesh ('i',)",
     "spec-not-divisible": "ValueError: funcoll.shard_map: `in_specs` entry P(None, 'i') shards dim 1",
     "spec-not-a-P": "TypeError: funcoll.shard_map: `in_specs` must hold funcoll.P specs",
-    "tuple-out-of-order": "NotImplementedError: funcoll.lax.psum: `axis_name`=('tp', 'dp') lists mesh axes out",
+    "check_vma-true": "NotImplementedError: funcoll.shard_map: `check_vma`=True is not supported",
+    "check_rep-true": "NotImplementedError: funcoll.shard_map: `check_rep`=True is not supported",
+    "check_vma-and-check_rep": "TypeError: funcoll.shard_map: pass `check_vma` or its older name `check_rep`",
+    "axis_names-not-a-set": "TypeError: funcoll.shard_map: `axis_names` must be a set of mesh axis names",
+    "axis_names-unknown": "ValueError: funcoll.shard_map: `axis_names`={'tp'} names 'tp', which is not an axis",
+    "psum_scatter-number": "ValueError: funcoll.lax.psum_scatter: `scatter_dimension`",
+    "spec-names-an-auto-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp') names the axis 'tp', which is not in",
+    "auto-axis-unknown-inside-f": "ValueError: funcoll.lax.psum: `axis_name`='tp': 'tp' is not an axis of the mesh ('dp',)",
     "spec-out-of-order": "NotImplementedError: funcoll.shard_map: `in_specs`=P(('tp', 'dp')) shards dim 0",
 }
 
@@ -461,6 +649,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
             "psum-1": lax.psum(1, "i"),
             "pmean-2.5": lax.pmean(2.5, "i"),
             "psum-bool": lax.psum(torch.tensor([True, rank == 0]), "i"),
+            "pmax-bool": lax.pmax(torch.tensor([rank == 0, False]), "i"),
+            "pmin-bool": lax.pmin(torch.tensor([True, rank == 0]), "i"),
+            "all_gather-number": lax.all_gather(1.5, "i"),
+            "ppermute-number": lax.ppermute(rank, "i", [(i, (i + 1) % world) for i in range(world)]),
             "psum-tree": lax.psum({"a": torch.ones(2), "b": [torch.full((1,), float(rank))]}, "i"),
             "psum-empty-axes": lax.psum(torch.full((2,), float(rank)), ()),
             "axis_index": lax.axis_index("i"),
@@ -483,17 +675,27 @@ def body(rank: int, world: int) -> dict[str, Any]:
             res["scalars"]["axis_index-dp_tp"] = lax.axis_index(("dp", "tp"))
             res["scalars"]["axis_index-tp_dp"] = lax.axis_index(("tp", "dp"))
             res["scalars"]["axis_size-dp_tp"] = lax.axis_size(("dp", "tp"))
-    for per in (1, 2):
+    for key, per, axis in RAGGED[world]:
         try:
-            args = ragged_args(world, rank, per)
+            index = jax_index(rank, axis)
+            args = ragged_args(world, index, per)
             args["operand"].requires_grad_()
             args["output"].requires_grad_()
-            with lax.mesh(meshes["dp_tp"] if world == 4 else meshes["i"]):
-                y = lax.ragged_all_to_all(**args, axis_name=("dp", "tp") if world == 4 else "i")
-            y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, rank))
-            res[f"ragged-{per}"] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
+            with lax.mesh(meshes["i"] if axis == "i" else meshes["dp_tp"]):
+                y = lax.ragged_all_to_all(**args, axis_name=axis)
+            y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, index))
+            res[key] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
         except Exception:  # noqa: BLE001
-            res[f"ragged-{per}"] = {"error": traceback.format_exc(limit=-6)}
+            res[key] = {"error": traceback.format_exc(limit=-6)}
+    if world == 4:
+        for key, fn in (
+            ("jax-examples", lambda: jax_examples(rank, meshes)),
+            ("docs-snippet", lambda: _snippet().step(rank, world)),
+        ):
+            try:
+                res[key] = fn()
+            except Exception:  # noqa: BLE001
+                res[key] = {"error": traceback.format_exc(limit=-8)}
     if world == 2:  # JAX's docstring example, exactly
         a = {0: ([1, 2, 2], [0, 1], [1, 2], [0, 0], [1, 1]), 1: ([3, 4, 0], [0, 1], [1, 1], [1, 2], [2, 1])}[
             rank
@@ -515,6 +717,12 @@ def body(rank: int, world: int) -> dict[str, Any]:
 
 
 batch = once_per_world(body, TIMEOUT_S)
+SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "jax_shard_map.py"
+
+
+def _snippet() -> ModuleType:
+    """docs/jax.md's shard_map example."""
+    return load_file(SNIPPET, "funcoll_docs_jax_shard_map")
 
 
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
@@ -555,10 +763,11 @@ def test_scalars_pytrees_and_indices_follow_jax(world: int) -> None:
         s = results[r]["scalars"]
         assert s["psum-1"] == world  # JAX: psum(1, axis) is the axis size
         assert s["pmean-2.5"] == pytest.approx(2.5)
-        assert s["psum-bool"].dtype == torch.int32 and s["psum-bool"].tolist() == [
-            world,
-            1,
-        ]  # bools summed as int32
+        assert s["psum-bool"].dtype == torch.int32 and s["psum-bool"].tolist() == [world, 1]  # as int32
+        assert s["pmax-bool"].dtype == torch.bool and s["pmax-bool"].tolist() == [True, False]  # bool stays
+        assert s["pmin-bool"].dtype == torch.bool and s["pmin-bool"].tolist() == [True, False]
+        assert s["all_gather-number"].tolist() == [1.5] * world  # a constant is an array, as in JAX
+        assert s["ppermute-number"].item() == (r - 1) % world
         torch.testing.assert_close(s["psum-tree"]["a"], torch.full((2,), float(world)))
         torch.testing.assert_close(s["psum-tree"]["b"][0], torch.full((1,), float(sum(range(world)))))
         torch.testing.assert_close(s["psum-empty-axes"], torch.full((2,), float(r)))  # no axis: x itself
@@ -581,23 +790,27 @@ def test_ragged_all_to_all_is_jax_docstring_example() -> None:
     assert results[1]["ragged-jax-example"].tolist() == [2, 2, 4, 0]
 
 
-@pytest.mark.parametrize("per", [1, 2], ids=lambda p: f"slices_per_rank{p}")
-@pytest.mark.parametrize("world", WORLDS)
-def test_ragged_all_to_all_matches_jax_pseudocode(world: int, per: int) -> None:
+@pytest.mark.parametrize(
+    "world,key,per,axis",
+    [pytest.param(w, *c, id=f"{w}-{c[0]}") for w in WORLDS for c in RAGGED[w]],
+)
+def test_ragged_all_to_all_matches_jax_pseudocode(world: int, key: str, per: int, axis: Any) -> None:
+    """The reference is indexed by JAX's index along `axis` (row-major over its names, in the order given)."""
     results = batch(world)
-    args = [ragged_args(world, r, per) for r in range(world)]
+    args = [ragged_args(world, j, per) for j in range(world)]
     for a in args:
         a["operand"].requires_grad_()
         a["output"].requires_grad_()
     want = ragged_reference(args, per)
-    loss = sum((y * seeded(tuple(y.shape), F64, "ragged-w", per, r)).sum() for r, y in enumerate(want))
+    loss = sum((y * seeded(tuple(y.shape), F64, "ragged-w", per, j)).sum() for j, y in enumerate(want))
     leaves = [t for a in args for t in (a["operand"], a["output"])]
     grads = torch.autograd.grad(loss, leaves)
     for r in range(world):
-        got = _ok(results[r], r, f"ragged-{per}")
-        torch.testing.assert_close(got["y"], want[r].detach())  # the shape is output's: static
-        torch.testing.assert_close(got["grads"][0], grads[2 * r])
-        torch.testing.assert_close(got["grads"][1], grads[2 * r + 1])
+        j = jax_index(r, axis)
+        got = _ok(results[r], r, key)
+        torch.testing.assert_close(got["y"], want[j].detach())  # the shape is output's: static
+        torch.testing.assert_close(got["grads"][0], grads[2 * j])
+        torch.testing.assert_close(got["grads"][1], grads[2 * j + 1])
 
 
 @pytest.mark.parametrize("case", map_cases(), ids=lambda c: c.id)
@@ -631,3 +844,34 @@ def test_bad_calls_raise_before_communicating(world: int) -> None:
         for name, message in results[r]["errors"].items():
             assert message.startswith(EXPECTED_ERRORS[name]), f"rank {r}, {name}: {message}"
     assert "i'," in EXPECTED_ERRORS["unknown-axis"]  # the message lists the known axes
+
+
+def test_jax_documented_examples_hold_literally() -> None:
+    """The printed values of JAX's docstrings and shard_map tutorial, on 4 ranks, exactly."""
+    results = batch(4)
+    for r in range(4):
+        got = _ok(results[r], r, "jax-examples")
+        assert set(got) == set(JAX_EXAMPLES)
+        for name, want in JAX_EXAMPLES.items():
+            value = got[name]
+            value = value.tolist() if isinstance(value, Tensor) else value
+            expected = want[r]
+            if name in ("x/psum", "x/pmean", "pmean"):
+                assert value == pytest.approx(expected), (r, name, value)
+            else:
+                assert value == expected, (r, name, value)
+
+
+def test_docs_shard_map_snippet_matches_single_process() -> None:
+    """docs/snippets/jax_shard_map.py (the example on docs/jax.md) on 4 ranks against the plain MLP."""
+    mod = _snippet()
+    x, w1, w2 = (t.requires_grad_() for t in mod.global_inputs())
+    want = torch.tanh(x @ w1) @ w2
+    grads = torch.autograd.grad(want.square().sum(), [x, w1, w2])
+    results = batch(4)
+    for r in range(4):
+        got = _ok(results[r], r, "docs-snippet")
+        assert got["placements"] == "(Shard(dim=0), Replicate())"
+        torch.testing.assert_close(got["y"], want.detach())
+        for g, w in zip(got["grads"], grads, strict=True):
+            torch.testing.assert_close(g, w)

@@ -17,7 +17,6 @@ exactly. All cases of one world size run in ONE ``run_ranks`` call.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from _inputs import load_file
 from torch import Tensor
 
 import funcoll
@@ -215,11 +215,7 @@ def run_errors(rank: int, world: int) -> dict[str, str]:
 
 
 def snippet() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("funcoll_docs_moe_layer", SNIPPET)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(SNIPPET, "funcoll_docs_moe_layer")
 
 
 def docstring_example(rank: int) -> dict[str, Any]:
