@@ -92,7 +92,7 @@ class MoEHandle:
             experts' blocks: a zero row).
         back_index: per row combine sends back, the row of ``y`` it carries.
         row_of: per (token, choice) pair, token-major, the returned row holding its
-            output (dropped: a zero row).
+            output (dropped: row `capacity`, the spare row of block 0, which combine skips).
         send_sizes: exact mode: rows sent to each rank, host ints.
         recv_sizes: exact mode: rows received from each rank, host ints.
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
@@ -486,7 +486,9 @@ def dispatch(
         sent = _count(dest, world, keep.to(torch.int64))
         slot = dest * block + packed - _exclusive(sent)[dest]  # a kept pair's row in its block
         slot = torch.where(keep, slot, world * block)
-        row_of = torch.where(keep, slot, 0)  # combine gets the blocks back as sent; dropped: masked
+        # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
+        # row of block 0, which combine skips (no kept pair's slot is a spare row).
+        row_of = torch.where(keep, slot, cap)
         pair_of_slot = torch.full((world * block + 1,), n_pairs, dtype=torch.int64, device=device)
         pair_of_slot = pair_of_slot.scatter_(0, slot, pairs)[: world * block]
         spare_send = True  # padding slots read the zero row after x's rows (index `tokens`)
@@ -607,8 +609,26 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
         returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
     else:  # the blocks go back to their senders as they came, one even all_to_all
         returned = _even.all_to_all(back, handle.group, 0, 0)
-    per_pair = _take(returned, handle.row_of, spare=False)
-    per_pair = per_pair.view(handle.tokens, handle.topk, y.shape[1])
-    if handle.kept is not None:  # a dropped pair's row is some other pair's: zero it
-        per_pair = torch.where(handle.kept.view(handle.tokens, handle.topk, 1), per_pair, 0)
-    return (per_pair * topk_weights.unsqueeze(-1).to(per_pair.dtype)).sum(1)
+    # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's is.
+    spare = None if handle.capacity is None else handle.capacity
+    return _weighted_sum(returned, handle.row_of.view(handle.tokens, handle.topk), topk_weights, spare)
+
+
+def _weighted_sum(rows: Tensor, row_of: Tensor, weights: Tensor, skip: int | None) -> Tensor:
+    """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, over the j with ``row_of[t, j] != skip``.
+
+    One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
+    writes ``(T, H)``, with no ``(T, k, H)`` gather in between, and its backward
+    scatters the gradient rows back and gives the weights' gradient. Entries equal
+    to `skip` (its ``padding_idx``) add nothing and get no gradient. Dtypes it does
+    not take (complex, integer) gather, mask and sum.
+    """
+    w = weights.to(rows.dtype)
+    if rows.dtype.is_floating_point:
+        return torch.nn.functional.embedding_bag(
+            row_of, rows, per_sample_weights=w, mode="sum", padding_idx=skip
+        )
+    per_pair = rows.index_select(0, row_of.reshape(-1)).view(*row_of.shape, rows.shape[1])
+    if skip is not None:
+        w = torch.where(row_of == skip, 0, w)
+    return (per_pair * w.unsqueeze(-1)).sum(1)
