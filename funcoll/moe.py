@@ -461,7 +461,6 @@ def dispatch(
     dest = expert // e_local
     n_pairs = expert.shape[0]
     pairs = torch.arange(n_pairs, device=device)
-    spare_send = False  # whether x needs a zero row appended (static mode, no tokens)
     if mode == "exact":
         keep = None
         # By expert: so by destination rank, then local expert, then pair (token-major).
@@ -491,14 +490,24 @@ def dispatch(
         row_of = torch.where(keep, slot, cap)
         pair_of_slot = torch.full((world * block + 1,), n_pairs, dtype=torch.int64, device=device)
         pair_of_slot = pair_of_slot.scatter_(0, slot, pairs)[: world * block]
-        spare_send = True  # padding slots read the zero row after x's rows (index `tokens`)
         send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens)
+        # The send buffer: one bag per slot, holding its kept pair's token or nothing (a
+        # zero row), and a last bag of the dropped pairs, cut off. The kept pairs, by
+        # expert (`order`), are in slot order. One pass: no copy of x with a zero row
+        # (which dtypes embedding_bag does not take still make).
+        if x.dtype.is_floating_point:
+            occupied = torch.zeros(world * block + 1, dtype=torch.int64, device=device)
+            occupied = occupied.scatter_(0, slot, torch.ones_like(slot))
+            send_rows = torch.nn.functional.embedding_bag(order // k, x, _exclusive(occupied), mode="sum")
+            send_rows = send_rows[: world * block]
+        else:
+            send_rows = _take(x, send_index, spare=True)
     per_expert = _count(expert, num_experts, None if keep is None else keep.to(torch.int64))
     needed = (per_expert.view(world, e_local).sum(1) if keep is None else wanted).max()
     # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
     recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
-    send_rows = _take(x, send_index, spare=spare_send)
     if mode == "exact":
+        send_rows = x.index_select(0, send_index)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
         # host ints. One read for this rank's counts and what it receives.
         ints = host_ints(torch.cat([per_expert, recv_counts.reshape(-1)]))

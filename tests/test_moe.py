@@ -242,11 +242,29 @@ def docstring_example(rank: int) -> dict[str, Any]:
     return out
 
 
+DTYPES = (torch.int64, torch.complex64, torch.float16, torch.bfloat16)
+
+
+def dtypes(rank: int) -> dict[str, list[Tensor]]:
+    """Each mode's combine of the identity experts, weights 1 and 2: 3x the tokens, in each dtype."""
+    got = {}
+    for dt in DTYPES:
+        x = (torch.arange(12).view(4, 3) + 10 * rank).to(dt)
+        idx = torch.tensor([[0, 1], [2, 3], [3, 0], [1, 1]])
+        w = torch.tensor([[1, 2]] * 4).to(dt)
+        got[str(dt)] = []
+        for mode, capacity in (("exact", None), ("static", 8), ("static", 2)):
+            recv, h = moe.dispatch(x, idx, 4, mode=mode, capacity=capacity)
+            got[str(dt)].append(moe.combine(recv, h, w))
+    return got
+
+
 def run_batch(rank: int, world: int, batch: list[Case]) -> dict[str, Any]:
     out = {"cases": [run_case(c, rank) for c in batch], "errors": run_errors(rank, world)}
     if world == 2:  # docs/moe.md's layer and the docstrings' examples
         out["snippet"] = {mode: snippet().step(rank, world, mode) for mode in ("exact", "static")}
         out["example"] = docstring_example(rank)
+        out["dtypes"] = dtypes(rank)
     return out
 
 
@@ -342,6 +360,7 @@ class Batches:
                 "errors": [r["errors"] for r in per_rank],
                 "snippet": [r.get("snippet") for r in per_rank],
                 "example": [r.get("example") for r in per_rank],
+                "dtypes": [r.get("dtypes") for r in per_rank],
             }
         return self._done[world]
 
@@ -416,6 +435,25 @@ def test_docs_layer_matches_one_process(batches: Batches) -> None:
             torch.testing.assert_close(
                 grad, ref[r][1], msg=lambda m, mode=mode, r=r: f"rank {r} {mode} W.grad: {m}"
             )
+
+
+def test_dtypes_the_weighted_sum_does_not_fuse(batches: Batches) -> None:
+    """Integer, complex and half tokens through both modes: every token comes back 3 times over.
+
+    Static mode with capacity 2 keeps each rank's first 2 pairs per destination in
+    token-major order. Experts 0 and 1 live on rank 0, whose pairs are (token 0,
+    choice 0), (0, 1), (2, 1), (3, 0), (3, 1): (0, 0) and (0, 1) are kept. Rank 1's
+    are (1, 0), (1, 1), (2, 0): (1, 0) and (1, 1) are kept. So tokens 0 and 1 come
+    back whole (weights 1 + 2), tokens 2 and 3 as zeros.
+    """
+    for r, got in enumerate(batches.get(2)["dtypes"]):
+        for dt in DTYPES:
+            x = (torch.arange(12).view(4, 3) + 10 * r).to(dt)
+            exact, roomy, tight = got[str(dt)]
+            assert exact.dtype == dt and torch.equal(exact, 3 * x), (r, dt, exact)
+            assert torch.equal(roomy, 3 * x), (r, dt, roomy)
+            want = torch.stack([3 * x[0], 3 * x[1], 0 * x[2], 0 * x[3]])
+            assert torch.equal(tight, want), (r, dt, tight)
 
 
 def test_docstring_examples_hold(batches: Batches) -> None:
