@@ -32,7 +32,8 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
         return captured["runs"]
 
     monkeypatch.setattr(demo, "run_ranks", keep_runs)
-    assert demo.main(["--world", "2", "--steps", "4"]) == 0
+    with funcoll.set_checks(False):  # as a user runs it: the counts below are those without checks
+        assert demo.main(["--world", "2", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "OK: the three runs match the single-process reference" in out
     (compiled,) = [
@@ -45,6 +46,17 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
     for r in runs:
         assert [len(r[m].losses) for m in train.MODES] == [4, 4, 4]
         assert all(math.isfinite(x) for m in train.MODES for x in r[m].losses)
+        # The counts the table shows. Seed-style: a size exchange (an all_gather and one .item() per rank)
+        # for the document ids, each block's attention and the loss, the two padded gathers, 4 all_to_alls
+        # a block (forward and backward), the gradients' all_reduce. funcoll: one size exchange (one host
+        # read), the ids' all_to_all, the 4 all_to_alls a block, the loss gather and its adjoint, the all_reduce.
+        exchanges = 1 + train.LAYERS + 1
+        assert (r["seed"].comm_calls, r["seed"].host_reads) == (
+            exchanges + 2 + 4 * train.LAYERS + 1,
+            2 * exchanges,
+        )
+        for mode in ("eager", "compiled"):
+            assert (r[mode].comm_calls, r[mode].host_reads) == (2 + 4 * train.LAYERS + 2 + 1, 1), mode
 
     # A run that drifts from the reference by more than the tolerance fails the demo.
     runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
