@@ -8,14 +8,10 @@ its time. One test runs it as a user does under a launcher: ``torchrun -m funcol
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from _torchrun import torchrun
 
 import funcoll
 from funcoll import _demo_train as train
@@ -70,19 +66,7 @@ def test_demo_runs_under_torchrun() -> None:
     2 steps, and dynamo's ``eager`` backend for the compiled run (the launcher path is
     under test here, not AOT autograd, which the in-process test compiles with).
     """
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 180 s:\n{err[-3000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    out = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
     assert f"funcoll {funcoll.__version__} demo: 2 gloo ranks on cpu" in out, out[-3000:]
     assert out.count("OK: the three runs match the single-process reference") == 1, out[-3000:]
     assert "funcoll compiled (eager)" in out
