@@ -50,7 +50,12 @@ def _bench(rank: int, world: int, kib: list[int], rounds: int, iters: int) -> li
     for op, step in STEPS.items():
         compiled = torch.compile(step, fullgraph=True, dynamic=False)
         for size in kib:
-            x = torch.randn(max(1, size // 4), ROW, generator=torch.Generator().manual_seed(rank))
+            gen = torch.Generator().manual_seed(
+                rank
+            )  # on the CPU: drawn there, then moved to the default device
+            x = torch.randn(max(1, size // 4), ROW, generator=gen, device="cpu").to(
+                torch.get_default_device()
+            )
             with funcoll.set_checks(False):
                 plain = compiled(x)
             with funcoll.set_checks(True):

@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from _timing import fenced_median  # benchmarks/, beside this script
 
-from funcoll import moe
+from funcoll import moe, testing
 from funcoll.testing import run_ranks
 
 H, K, E_LOCAL = 1024, 2, 2
@@ -118,28 +118,9 @@ def count_host_reads(fn: Callable[[], object]) -> int:
     Compiled graphs read the host from Python too: inductor's wrapper code calls
     ``.item()`` for each unbacked scalar, and ``funcoll::host_ints`` calls ``.tolist()``.
     """
-    calls, depth = [0], [0]
-    saved = torch.Tensor.tolist, torch.Tensor.item
-
-    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            # Outermost calls only: under torch.set_default_device (run.py) the call passes through
-            # a __torch_function__ mode that calls the patched method again.
-            calls[0] += depth[0] == 0
-            depth[0] += 1
-            try:
-                return original(self, *a, **kw)
-            finally:
-                depth[0] -= 1
-
-        return wrapper
-
-    torch.Tensor.tolist, torch.Tensor.item = counted(saved[0]), counted(saved[1])  # type: ignore[method-assign]
-    try:
+    with testing.count_host_reads() as reads:
         fn()
-    finally:
-        torch.Tensor.tolist, torch.Tensor.item = saved  # type: ignore[method-assign]
-    return calls[0]
+    return reads.count
 
 
 # ---------------------------------------------------------------------------- the methods

@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,28 +84,40 @@ def _moves(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> dict[str,
     }
 
 
+def measure(
+    worlds: list[int], mb: float, iters: int, dtypes: tuple[torch.dtype, ...]
+) -> list[dict[str, Any]]:
+    """Every move's median ms, torch path and kernel, per dtype, world and layout (rows of `mb` MB in all)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_row_kernels: needs a CUDA GPU (the kernels serve CUDA tensors)")
+    rows = []
+    for dtype in dtypes:
+        total_rows = int(mb * 2**20) // (ROW * dtype.itemsize)
+        for world in worlds:
+            for layout in ("equal", "skew16"):
+                moves = _moves(_sizes(world, layout, total_rows), dtype, torch.device("cuda"))
+                for name, fn in moves.items():
+                    rows.append({
+                        "world": world, "layout": layout, "dtype": str(dtype)[6:], "move": name,
+                        "torch_ms": _time_ms(_with("0", fn), iters), "triton_ms": _time_ms(_with("auto", fn), iters),
+                    })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 64])
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_row_kernels: needs a CUDA GPU (the kernels serve CUDA tensors)")
+    rows = measure(args.worlds, args.mb, args.iters, (torch.float32, torch.bfloat16))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; median ms of {args.iters}")
     print(f"{'world':>5} {'layout':>7} {'dtype':>9} {'move':>7} {'torch':>8} {'triton':>8} {'ratio':>6}")
-    for dtype in (torch.float32, torch.bfloat16):
-        total_rows = args.mb * 2**20 // (ROW * dtype.itemsize)
-        for world in args.worlds:
-            for layout in ("equal", "skew16"):
-                moves = _moves(_sizes(world, layout, total_rows), dtype, torch.device("cuda"))
-                for name, fn in moves.items():
-                    t_torch = _time_ms(_with("0", fn), args.iters)
-                    t_triton = _time_ms(_with("auto", fn), args.iters)
-                    print(
-                        f"{world:>5} {layout:>7} {str(dtype)[6:]:>9} {name:>7} "
-                        f"{t_torch:8.3f} {t_triton:8.3f} {t_triton / t_torch:6.2f}"
-                    )
+    for r in rows:
+        print(
+            f"{r['world']:>5} {r['layout']:>7} {r['dtype']:>9} {r['move']:>7} "
+            f"{r['torch_ms']:8.3f} {r['triton_ms']:8.3f} {r['triton_ms'] / r['torch_ms']:6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Every benchmark family in one command: one JSON of results, one plot per family, the ratio tables.
 
-Run: ``python benchmarks/run.py [--families gather sweep dtensor moe] [--worlds 2 4]
-[--out docs/results] [--quick] [--replot]``
+Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked row_kernels]
+[--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--out docs/results] [--quick] [--replot]``
 
 Families (each one's own script documents its methods):
 
@@ -11,23 +11,35 @@ Families (each one's own script documents its methods):
   ``all_gather_object``, funcol's even ``all_gather_into_tensor`` of the same
   bytes (the baseline) and the in-place ``dist.all_gather_into_tensor`` into a
   preallocated buffer;
-- ``sweep`` (``sweep_ragged.py``): every ragged op as a ratio to the even
-  collective of the same bytes, over payloads and layouts;
+- ``sweep`` (``sweep_ragged.py``): every ragged op against the even funcol
+  collective of the same bytes (``all_gather_into_tensor``,
+  ``reduce_scatter_tensor`` or ``all_to_all_single``), over payloads and layouts;
 - ``dtensor`` (``bench_dtensor.py``): DTensor's ``redistribute`` and the
   gather-then-chunk recipe against funcoll's all_to_all and from_ragged;
 - ``moe`` (``bench_moe.py``): one MoE layer's dispatch and combine,
   ``funcoll.moe`` exact and static against a retyped torchtitan recipe, with the
-  host reads per layer.
+  host reads per layer;
+- ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
+  ``funcoll.set_checks(True)`` against the same step unchecked;
+- ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):
+  the pad and the cut around a padded all_gather, funcoll's Triton kernels against
+  its torch ops, float32. On CPU it is skipped, and says so.
 
-Everything runs on gloo CPU ranks started here. The JSON (``results.json``) holds
-every record, and per family the torch version, machine and date of the run
-that made it (a run of some families keeps the others' records); the plots (``<family>.png``,
-matplotlib from the ``bench`` extra) show time and effective bandwidth against
-the message size. Bandwidth follows nccl-tests' convention: ``algbw`` is the
-bytes gathered (the output's size) over the time, and ``busbw = algbw * (world -
-1) / world`` for an all-gather, what each link carries on a ring, so that it
-compares across world sizes. ``--quick`` runs one small size on 2 ranks, one
-round: a smoke run (the suite runs it), not a measurement.
+The ranks run on ``--backend`` and every tensor of a family is made on
+``--device`` (each rank its own GPU on CUDA); the JSON records both. The JSON
+(``results.json``) holds every record, and per family the torch version, machine,
+backend, device and date of the run that made it (a run of some families keeps
+the others' records); the plots (``<family>.png``, matplotlib from the ``bench``
+extra) show, a panel per world and layout, time and below it effective bandwidth
+against the message size (the sweep adds a row of time over its baseline), one
+line per implementation, named in one legend under the panels. Bandwidth follows
+nccl-tests' convention where a family times collectives (gather, sweep,
+checked): ``busbw = algbw * (world - 1) / world``, with ``algbw`` the bytes of the
+whole tensor over the time for an all-gather (the output) or a reduce-scatter
+(the input) and of one rank's buffer for an all-to-all, so that it compares
+across world sizes; the other families plot payload over time. ``--quick`` runs
+one small size on 2 ranks, one round: a smoke run (the suite runs it), not a
+measurement.
 """
 
 from __future__ import annotations
@@ -48,9 +60,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the family scripts import _timing beside them
 
+import bench_checked
 import bench_dtensor
 import bench_moe
 import bench_ragged_gather
+import bench_row_kernels
 import sweep_ragged
 
 from funcoll.testing import run_ranks
@@ -92,20 +106,38 @@ def _gather(worlds: list[int], sizes_mb: list[float], iters: int, rounds: int, o
                     records.append({
                         "family": "gather", "world": world, "layout": layout, "bytes": total, "impl": impl,
                         "seconds": seconds, "ratio": seconds / row["baseline"],
-                        "busbw_gbps": total / seconds * (world - 1) / world / 1e9,
+                        "busbw_gbps": _busbw(total, seconds, world),
                     })  # fmt: skip
     return records
 
 
+def _busbw(moved: float, seconds: float, world: int) -> float:
+    """nccl-tests' bus bandwidth, GB/s: `moved` bytes (see the module docstring) over the time, times (w-1)/w."""
+    return moved / seconds * (world - 1) / world / 1e9
+
+
 def _sweep(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: Setup) -> list[Record]:
-    records = []
+    records: list[Record] = []
+    seen: set[tuple] = set()
     for world in worlds:
-        for r in run_ranks(
-            sweep_ragged._sweep, world, kibs, ["equal", "skew16"], iters, rounds, timeout=7200
-        )[0]:
-            records.append(
-                {"family": "sweep", "impl": r.pop("method"), "bytes": r["kib_per_rank"] * 1024, **r}
-            )
+        got = run_ranks(on.wrap(sweep_ragged._sweep), world, kibs, ["equal", "skew16"], iters, rounds,
+                        timeout=7200, backend=on.backend)[0]  # fmt: skip
+        for r in got:
+            total = sum(r["sizes"]) * sweep_ragged.ROW * 4  # bytes of every rank's rows
+            moved = total / world if r["baseline"] == "a2a" else total  # one rank's buffer for an all-to-all
+            case = {"family": "sweep", "world": world, "layout": r["layout"], "bytes": r["kib_per_rank"] * 1024,
+                    "sizes": r["sizes"]}  # fmt: skip
+            baseline = f"funcol {sweep_ragged.BASELINES[r['baseline']]} (even, baseline)"
+            if (world, r["layout"], case["bytes"], baseline) not in seen:  # once per case, not per method
+                seen.add((world, r["layout"], case["bytes"], baseline))
+                seconds = r["baseline_ms"] / 1e3
+                records.append({**case, "impl": baseline, "seconds": seconds, "ratio": 1.0,
+                                "busbw_gbps": _busbw(moved, seconds, world)})  # fmt: skip
+            records.append({
+                **case, "impl": r["method"], "seconds": r["seconds"], "ratio": r["ratio"],
+                "ratio_min": r["ratio_min"], "ratio_max": r["ratio_max"],
+                "busbw_gbps": _busbw(moved, r["seconds"], world),
+            })  # fmt: skip
     return records
 
 
@@ -147,17 +179,54 @@ def _moe(worlds: list[int], tokens: list[float], iters: int, rounds: int, on: Se
     return records
 
 
-# family -> (message sizes: MB gathered in all for gather, KiB per rank for sweep, MB for
-# dtensor, tokens per rank for moe; iters per timing; rounds)
+def _checked(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: Setup) -> list[Record]:
+    records = []
+    for world in worlds:
+        res = run_ranks(on.wrap(bench_checked._bench), world, [int(k) for k in kibs], rounds, iters,
+                        timeout=3600, backend=on.backend)  # fmt: skip
+        for row in res[0]:
+            gathered = world * row["kib"] * 1024  # both ops' output: every rank's rows
+            for impl, ms in (("unchecked", row["off_ms"]), ("checked", row["on_ms"])):
+                records.append({
+                    "family": "checked", "world": world, "layout": row["op"], "bytes": row["kib"] * 1024,
+                    "impl": impl, "seconds": ms / 1e3, "ratio": ms / row["off_ms"],
+                    "busbw_gbps": _busbw(gathered, ms / 1e3, world),
+                })  # fmt: skip
+    return records
+
+
+def _row_kernels(
+    worlds: list[int], sizes_mb: list[float], iters: int, rounds: int, on: Setup
+) -> list[Record]:
+    """One process, no collective: the row moves on this process's GPU, float32."""
+    records = []
+    for mb in sizes_mb:
+        for r in bench_row_kernels.measure(worlds, mb, iters, (torch.float32,)):
+            for impl in ("torch", "triton"):
+                records.append({
+                    "family": "row_kernels", "world": r["world"], "layout": r["layout"], "bytes": int(mb * 2**20),
+                    "impl": f"{r['move']}, {impl}", "seconds": r[f"{impl}_ms"] / 1e3,
+                    "ratio": r[f"{impl}_ms"] / r["torch_ms"],
+                })  # fmt: skip
+    return records
+
+
+# family -> (message sizes: MB gathered in all for gather, KiB per rank for sweep and checked,
+# MB for dtensor and row_kernels, tokens per rank for moe; iters per timing; rounds)
 FAMILIES: dict[str, tuple[list[float], int, int]] = {
     "gather": ([0.125, 1, 8, 64], 9, 1),
     "sweep": ([4, 64, 1024, 16384], 9, 5),
     "dtensor": ([1, 8, 32], 7, 1),
     "moe": ([256, 1024, 4096, 16384], 3, 5),
+    "checked": ([64, 1024, 16384], 5, 5),
+    "row_kernels": ([4, 64], 50, 1),
 }
 RUNS: dict[str, Callable[..., list[Record]]] = {
-    "gather": _gather, "sweep": _sweep, "dtensor": _dtensor, "moe": _moe,
+    "gather": _gather, "sweep": _sweep, "dtensor": _dtensor, "moe": _moe, "checked": _checked,
+    "row_kernels": _row_kernels,
 }  # fmt: skip
+# Families that run only on some devices: why they are skipped elsewhere.
+NEEDS_CUDA = {"row_kernels": "funcoll's Triton kernels serve CUDA tensors; run with --device cuda"}
 
 
 def _case(r: Record) -> tuple:
@@ -180,11 +249,38 @@ _X_LABEL = {
     "sweep": "bytes per rank",
     "dtensor": "bytes of the global tensor",
     "moe": "bytes a rank dispatches (T * k * H * 4)",
+    "checked": "bytes per rank",
+    "row_kernels": "bytes of rows in all",
 }
+# Legend names of the records' short implementation names, where those do not say what ran.
+_LABELS = {
+    ("gather", "baseline"): "funcol all_gather_into_tensor (even, baseline)",
+    ("dtensor", "redistribute"): "DTensor.redistribute (baseline)",
+    ("dtensor", "gather+chunk"): "all_gather + chunk (baseline)",
+    ("moe", "titan"): "torchtitan recipe (baseline)",
+    ("checked", "unchecked"): "set_checks(False) (baseline)",
+    ("checked", "checked"): "set_checks(True)",
+}
+_BUSBW = ("gather", "sweep", "checked")  # families of collectives: nccl-tests' busbw
+
+
+def _rows(family: str) -> list[tuple[str, str]]:
+    """The plot's rows: (what a point reads, the y label)."""
+    bw = "busbw GB/s (nccl-tests)" if family in _BUSBW else "payload / time, GB/s"
+    rows = [("seconds", "seconds"), ("bandwidth", bw)]
+    return [*rows, ("ratio", "time / baseline")] if family == "sweep" else rows
+
+
+def _point(r: Record, what: str) -> float | None:
+    if what == "ratio":
+        return r["ratio"]
+    if "seconds" not in r:  # sweep records from before run.py kept the sweep's times
+        return None
+    return r["seconds"] if what == "seconds" else r.get("busbw_gbps", r["bytes"] / r["seconds"] / 1e9)
 
 
 def _plot(records: list[Record], family: str, path: Path) -> bool:
-    """Time (and bandwidth where it means one) against the message size, a panel per world and layout."""
+    """Time and bandwidth against the message size, a panel per world and layout, one legend below."""
     try:
         import matplotlib
 
@@ -197,30 +293,39 @@ def _plot(records: list[Record], family: str, path: Path) -> bool:
         return r["world"], r.get("layout", r.get("job", ""))
 
     panels = list(dict.fromkeys(panel(r) for r in records))
-    y_key, y_label = ("ratio", "time / baseline") if family == "sweep" else ("seconds", "seconds")
-    rows = 1 if family == "sweep" else 2
-    fig, axes = plt.subplots(rows, len(panels), figsize=(5 * len(panels), 4 * rows), squeeze=False)
+    impls = list(dict.fromkeys(r["impl"] for r in records))  # one style per implementation, every panel
+    impls.sort(key=lambda impl: "baseline" not in _LABELS.get((family, impl), impl))  # baselines first
+    # tab20's dark shades first, then its light ones: neighbours in the legend differ in hue
+    style = {impl: {"color": plt.get_cmap("tab20")((2 * k + k // 10) % 20), "marker": "os^vD"[k % 5],
+                    "label": _LABELS.get((family, impl), impl)} for k, impl in enumerate(impls)}  # fmt: skip
+    rows = _rows(family)
+    fig, axes = plt.subplots(len(rows), len(panels), figsize=(5 * len(panels), 3.6 * len(rows)),
+                             squeeze=False, sharex="col")  # fmt: skip
     for col, p in enumerate(panels):
         mine = [r for r in records if panel(r) == p]
-        for k, impl in enumerate(dict.fromkeys(r["impl"] for r in mine)):
-            style = {"color": plt.get_cmap("tab20")(k % 20), "marker": "os^vD"[k % 5], "label": impl}
-            pts = sorted((r["bytes"], r) for r in mine if r["impl"] == impl)
-            xs = [b for b, _ in pts]
-            axes[0][col].plot(xs, [r[y_key] for _, r in pts], **style)
-            if rows == 2:
-                bw = [r.get("busbw_gbps", b / r["seconds"] / 1e9) for b, r in pts]
-                axes[1][col].plot(xs, bw, **style)
+        for impl in dict.fromkeys(r["impl"] for r in mine):
+            pts = sorted((r for r in mine if r["impl"] == impl), key=lambda r: r["bytes"])
+            for row, (what, _) in enumerate(rows):
+                xy = [(r["bytes"], _point(r, what)) for r in pts]
+                xy = [(x, y) for x, y in xy if y is not None]
+                if xy:
+                    axes[row][col].plot([x for x, _ in xy], [y for _, y in xy], **style[impl])
         axes[0][col].set_title(f"{family}: world {p[0]}, {p[1]}")
-        axes[0][col].set_ylabel(y_label)
-        for ax in (a[col] for a in axes):
+        axes[-1][col].set_xlabel(_X_LABEL[family])
+        for row, (_, label) in enumerate(rows):
+            ax = axes[row][col]
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(_X_LABEL[family])
-        if rows == 2:
-            axes[1][col].set_ylabel("busbw GB/s" if family == "gather" else "payload / time, GB/s")
-    axes[0][-1].legend(fontsize=6, loc="best")
+            ax.set_ylabel(label)
+            if ax.lines:
+                ax.set_yscale("log")
+            else:  # records made before the family kept its times
+                ax.text(0.5, 0.5, f"no times in these records:\nrerun --families {family}", ha="center",
+                        va="center", transform=ax.transAxes)  # fmt: skip
+    handles = [plt.Line2D([], [], **style[impl]) for impl in impls]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+               ncol=min(len(impls), max(1, len(panels)) + 1), frameon=False)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -254,11 +359,16 @@ def main(argv: list[str] | None = None) -> int:
                 _plot(got, family, out / f"{family}.png")
         return 0
     records: list[Record] = []
+    ran = []
     for family in args.families:
+        if family in NEEDS_CUDA and args.device != "cuda":
+            print(f"{family}: skipped, {NEEDS_CUDA[family]}\n")
+            continue
         sizes, iters, rounds = FAMILIES[family]
         sizes, iters, rounds = (sizes[:1], 1, 1) if args.quick else (sizes, iters, rounds)
         got = RUNS[family](worlds, sizes, iters, rounds, on)
         records += got
+        ran.append(family)
         print(_table(got, _case, f"{family}: time / baseline (median)"), "\n")
         png = out / f"{family}.png"
         print(f"plot: {png}" if _plot(got, family, png) else "plot: skipped (pip install matplotlib)", "\n")
@@ -270,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     # The families not run now keep their records (and the meta of the run that made them).
     path = out / "results.json"
     saved = json.loads(path.read_text()) if path.is_file() else {"meta": {}, "records": []}
-    kept = [r for r in saved["records"] if r["family"] not in args.families]
-    runs = {f: m for f, m in saved["meta"].items() if f not in args.families and f in FAMILIES}
-    runs.update({f: meta for f in args.families})
+    kept = [r for r in saved["records"] if r["family"] not in ran]
+    runs = {f: m for f, m in saved["meta"].items() if f not in ran and f in FAMILIES}
+    runs.update({f: meta for f in ran})
     path.write_text(json.dumps({"meta": runs, "records": kept + records}, indent=1))
     print(f"wrote {len(records)} records to {path} ({len(kept)} kept from earlier runs)")
     return 0

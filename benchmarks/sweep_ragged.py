@@ -15,7 +15,8 @@ gathers, ``reduce_scatter_tensor`` of the same total for the ragged
 reduce_scatter, ``all_to_all_single`` of the same rows for ``all_to_all_v`` and
 ``all_to_all_padded`` (whose capacity fits the largest send, so a skew pads it).
 The table shows the median ratio over the rounds and its range; ``--json`` writes
-every record.
+every record, with each method's median time (``seconds``), its baseline's kind
+(``ag``, ``rs``, ``a2a``: ``BASELINES``) and that baseline's median time.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def _methods(sizes: list[int], rank: int, world: int) -> dict[str, tuple[str, Ca
     }
 
 
+# The baselines' kinds, as their funcol ops (``torch.ops._c10d_functional``, each with ``wait_tensor``).
+BASELINES = {"ag": "all_gather_into_tensor", "rs": "reduce_scatter_tensor", "a2a": "all_to_all_single"}
+
+
 def _baselines(sizes: list[int], world: int) -> dict[str, Callable[[], object]]:
     ops = torch.ops._c10d_functional
     name = torch.distributed.group.WORLD.group_name
@@ -93,19 +98,24 @@ def _sweep(rank: int, world: int, kibs: list[int], layouts: list[str], iters: in
             sizes = _layout(layout, world, rows)
             methods, bases = _methods(sizes, rank, world), _baselines(sizes, world)
             ratios: dict[str, list[float]] = {m: [] for m in methods}
-            base_ms: list[float] = []
+            times: dict[str, list[float]] = {m: [] for m in methods}
+            base_s: dict[str, list[float]] = {k: [] for k in bases}
             # large payloads: fewer calls
             n = iters if kib <= 1024 else max(3, iters // (2 if kib <= 16384 else 3))
             for _ in range(rounds):
                 base = {k: fenced_median(fn, n) for k, fn in bases.items()}
-                base_ms.append(1e3 * base["ag"])
+                for k, t in base.items():
+                    base_s[k].append(t)
                 for m, (kind, fn) in methods.items():
-                    ratios[m].append(fenced_median(fn, n) / base[kind])
+                    times[m].append(fenced_median(fn, n))
+                    ratios[m].append(times[m][-1] / base[kind])
             for m, rs in ratios.items():
+                kind = methods[m][0]
                 records.append({
                     "world": world, "kib_per_rank": kib, "layout": layout, "sizes": sizes, "method": m,
                     "ratio": statistics.median(rs), "ratio_min": min(rs), "ratio_max": max(rs),
-                    "baseline_ms": statistics.median(base_ms),
+                    "seconds": statistics.median(times[m]), "baseline": kind,
+                    "baseline_ms": 1e3 * statistics.median(base_s[kind]),
                 })  # fmt: skip
     return records
 

@@ -57,6 +57,7 @@ from torch import Tensor
 import funcoll
 
 from . import _demo_seeds as seeds
+from .testing import count_host_reads
 
 __all__ = [
     "MODES",
@@ -117,8 +118,10 @@ class PhaseResult:
         losses: every step's loss (the global mean, the same on every rank).
         params: the final parameters, on the CPU.
         step_times: seconds per step, every step (the first ones include warm-up and compiling).
+        cpu_times: the CPU seconds of the rank's own thread per step (``time.thread_time``), every step.
         comm_share: the share of the profiled steps' time in which a collective ran (None: not profiled).
         comm_calls: collectives per profiled step.
+        host_reads: ``Tensor.item``/``Tensor.tolist`` calls per profiled step (None: not profiled).
         graph_breaks: dynamo's graph-break count (compiled run only).
         compiles: frames compiled (compiled run only).
         unique_graphs: dynamo's ``unique_graphs`` counter (compiled run only).
@@ -127,8 +130,10 @@ class PhaseResult:
     losses: list[float] = field(default_factory=list)
     params: Params = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
     comm_share: float | None = None
     comm_calls: float | None = None
+    host_reads: float | None = None
     graph_breaks: int | None = None
     compiles: int | None = None
     unique_graphs: int | None = None
@@ -420,6 +425,7 @@ def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> Pha
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(activities=activities)
+    reads = 0
     with contextlib.ExitStack() as profiling_steps:
         for step in progress(range(cfg.steps), cfg.steps, MODE_TITLES[mode], show):
             batch, _ = rank_batch(cfg, step, rank, world)
@@ -431,16 +437,20 @@ def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> Pha
             span = (
                 torch.profiler.record_function("demo_step") if step in profiled else contextlib.nullcontext()
             )
+            counting = count_host_reads() if step in profiled else contextlib.nullcontext(None)
             _sync(device)
-            start = time.perf_counter()
-            with span:
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            with span, counting as counted:
                 loss = step_fn(params, *inputs)
                 loss.backward()
                 _sgd(params, _sync_grads(mode, params))
                 _sync(device)
             result.step_times.append(time.perf_counter() - start)
+            result.cpu_times.append(time.thread_time() - cpu_start)
+            reads += counted.count if counted is not None else 0
             result.losses.append(float(loss.detach()))  # host read of the loss, after the timing: the display
     result.comm_share, result.comm_calls = collective_share(prof, "demo_step", device.type)
+    result.host_reads = reads / len(profiled)
     result.params = {k: v.detach().cpu() for k, v in params.items()}
     if counter is not None:
         result.compiles = counter.frame_count
@@ -461,15 +471,20 @@ def step_ranges(steps: int) -> tuple[range, range]:
     return range(warm, steps - profiled), range(steps - profiled, steps)
 
 
-def timed_steps(result: PhaseResult, steps: int) -> list[float]:
-    """The step times the median reads (see :func:`step_ranges`)."""
+def timed_steps(times: list[float], steps: int) -> list[float]:
+    """The entries of per-step `times` that the median reads (see :func:`step_ranges`)."""
     timed, profiled = step_ranges(steps)
-    return [result.step_times[i] for i in (timed or profiled)]
+    return [times[i] for i in (timed or profiled)]
 
 
-def median_ms(results: Sequence[PhaseResult], steps: int) -> float:
-    """The median step time over the ranks' timed steps, in ms (the slowest rank's median)."""
-    return 1e3 * max(statistics.median(timed_steps(r, steps)) for r in results)
+def median_ms(results: Sequence[PhaseResult], steps: int, cpu: bool = False) -> float:
+    """The median step time over the ranks' timed steps, in ms (the slowest rank's median).
+
+    `cpu`: the rank's own CPU time per step instead of the wall time.
+    """
+    return 1e3 * max(
+        statistics.median(timed_steps(r.cpu_times if cpu else r.step_times, steps)) for r in results
+    )
 
 
 def reference(cfg: Config, show: bool) -> PhaseResult:
@@ -489,11 +504,12 @@ def _reference(cfg: Config, show: bool) -> PhaseResult:
     result = PhaseResult()
     for step in progress(range(cfg.steps), cfg.steps, MODE_TITLES["reference"], show):
         whole = global_batch(cfg, step)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         loss = token_losses(params, whole.tensors(), functools.partial(attention, seg=whole.seg)).mean()
         loss.backward()
         _sgd(params, {k: _grad(v) for k, v in params.items()})
         result.step_times.append(time.perf_counter() - start)
+        result.cpu_times.append(time.thread_time() - cpu_start)
         result.losses.append(float(loss.detach()))  # host read of the loss: the display
     result.params = {k: v.detach() for k, v in params.items()}
     return result

@@ -13,9 +13,12 @@ ragged shard of every step's sequence (0 tokens on some steps):
 
 A single process trains the same model on the whole sequence as the reference.
 It prints a progress bar per phase and a table: the largest loss and parameter
-difference from the reference, graph breaks, compiles per rank, the median step
-time and the share of the step in which collectives run. It exits 1 if any run
-differs from the reference (:mod:`funcoll._demo_train` has the model).
+difference from the reference, graph breaks, compiles per rank, the collectives
+and host reads per step (exact counts: what the seed-style helpers cost and
+funcoll does not), the median step time, wall and CPU, and the share of the step
+in which collectives run, with notes on what the times mean on the machine. It
+exits 1 if any run differs from the reference (:mod:`funcoll._demo_train` has
+the model).
 
 ``python -m funcoll.demo --tour`` runs the earlier 5-second tour: every op eager
 and compiled on CPU ranks, checked against single-process results.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -178,12 +182,15 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
             "max|dparam|",
             "graph breaks",
             "compiles/rank",
-            "step ms",
-            "collectives",
             "coll/step",
+            "host reads/step",
+            "step ms",
+            "CPU ms",
+            "in coll",
         )
     ]
     failed = False
+    waits: dict[str, float] = {}
     for mode in train.MODES:
         per_rank = [r[mode] for r in runs]
         dloss = max(train.max_abs_diff(r.losses, ref.losses) for r in per_rank)
@@ -197,7 +204,11 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
             unique = [r.unique_graphs for r in per_rank]
             failed |= any(b != 0 for b in breaks or []) or any(c != 1 for c in [*(compiles or []), *unique])
         share = sum(r.comm_share or 0.0 for r in per_rank) / len(per_rank)
-        calls = sum(r.comm_calls or 0.0 for r in per_rank) / len(per_rank)
+        calls = max(r.comm_calls or 0.0 for r in per_rank)
+        reads = max(r.host_reads or 0.0 for r in per_rank)
+        wall, cpu = train.median_ms(per_rank, cfg.steps), train.median_ms(per_rank, cfg.steps, cpu=True)
+        if calls:
+            waits[mode] = (wall - cpu) / calls
         rows.append(
             (
                 title,
@@ -205,9 +216,11 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
                 f"{dparam:.1e}",
                 "-" if breaks is None else "/".join(str(b) for b in breaks),
                 "-" if compiles is None else "/".join(str(c) for c in compiles),
-                f"{train.median_ms(per_rank, cfg.steps):.1f}",
+                f"{calls:g}",
+                f"{reads:g}",
+                f"{wall:.1f}",
+                f"{cpu:.1f}",
                 f"{100 * share:.0f}%",
-                f"{calls:.0f}",
             )
         )
     rows.append(
@@ -217,9 +230,11 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
             "0",
             "-",
             "-",
-            f"{train.median_ms([ref], cfg.steps):.1f}",
-            "-",
             "0",
+            "0",
+            f"{train.median_ms([ref], cfg.steps):.1f}",
+            f"{train.median_ms([ref], cfg.steps, cpu=True):.1f}",
+            "-",
         )
     )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -239,21 +254,38 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
     timed = timed or profiled
     compile_s = max(r["compiled"].step_times[0] for r in runs)
     coll = "NCCL kernels" if cfg.device == "cuda" else "gloo's spans"
+    exchanges = 1 + train.LAYERS + 1  # the seed-style step: document ids, each block's attention, the loss
     notes = [
         "max|dloss|, max|dparam|: the largest difference from the reference over every step's loss and "
-        "over the final parameters, every rank",
+        "the final parameters, every rank.",
         f"compiled: torch.compile(fullgraph=True, backend={cfg.compile_backend!r}), funcoll.mark_ragged on "
         f"the inputs; graph breaks: torch._dynamo.utils.counters['graph_break']; compiles: frames counted "
-        f"by a CompileCounterWithBackend, per rank; its first step (compiling) took {compile_s:.1f} s",
-        f"step ms: median of steps {timed.start}-{timed.stop - 1} (after warm-up), slowest rank",
-        f"collectives: share of steps {profiled.start}-{profiled.stop - 1} in which a collective ran "
-        f"(torch.profiler, {coll} merged, mean over ranks); coll/step: collectives per step",
-        f"seed-style: sizes exchanged on every call ({1 + train.LAYERS + 1} all_gathers and "
-        f"{(2 + train.LAYERS) * world} .item() reads per step); funcoll: one exchange per step, its "
-        f"sizes passed to every later op",
+        f"by a CompileCounterWithBackend, per rank; its first step (compiling) took {compile_s:.1f} s.",
+        f"coll/step, host reads/step: exact counts (every step issues the same ops) over steps "
+        f"{profiled.start}-{profiled.stop - 1}: the collectives the backend ran ({coll} in torch.profiler) "
+        f"and the Tensor.item/tolist calls (funcoll.testing.count_host_reads). Seed-style: every call "
+        f"exchanges sizes, {exchanges} all_gathers a step, each read back with one .item() per rank, and "
+        f"pads to the longest rank. funcoll: one size exchange a step (one host read), its sizes passed "
+        f"to every later op.",
+        f"step ms: wall time, median of steps {timed.start}-{timed.stop - 1} (after warm-up), slowest rank. "
+        f"CPU ms: the rank's own thread's CPU time in the step (model, Python, copies). in coll: the share "
+        f"of steps {profiled.start}-{profiled.stop - 1} in which a collective ran (mean over ranks).",
     ]
+    if cfg.device == "cpu":
+        per_call = ", ".join(f"{mode} {ms:.2f}" for mode, ms in waits.items())
+        notes.append(
+            f"On CPU the step is latency: each collective moves a few KB, and the step waits on round trips "
+            f"between processes ((step ms - CPU ms) / coll/step: {per_call} ms a collective here). The more "
+            f"processes share the cores, the longer each wait, so step ms follows the collectives count and "
+            f"the machine's load; the runs go one after another, and a change of load between them moves "
+            f"their times by tens of percent. The counts do not move."
+        )
+    notes.append(
+        "A host read costs nothing on CPU tensors (the sizes are in host memory already); on a GPU each is "
+        "a device-to-host sync, which stalls the CPU until the GPU has caught up."
+    )
     for note in notes:
-        print(f"  {note}")
+        print(textwrap.fill(note, width=110, initial_indent="  - ", subsequent_indent="    "))
     if failed:
         print(
             f"MISMATCH: a run differs from the reference by more than {TOLERANCE:g}, or compiled more than once"

@@ -14,10 +14,14 @@ Example::
         return funcoll.gather(x)
 
     results = run_ranks(body, world=3)   # one result per rank
+
+:func:`count_host_reads` counts the host reads of a block of code, the
+device-to-host syncs it would make on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -27,14 +31,15 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "launch", "recording_backend", "run_ranks"]
+__all__ = ["HostReads", "RankError", "count_host_reads", "launch", "recording_backend", "run_ranks"]
 
 
 class RankError(RuntimeError):
@@ -291,3 +296,48 @@ def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:
     backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward,
                            partition_fn=partition)  # fmt: skip
     return backend, seqs
+
+
+@dataclass
+class HostReads:
+    """What :func:`count_host_reads` has counted so far: ``count``, the ``item``/``tolist`` calls."""
+
+    count: int = 0
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[HostReads]:
+    """Count the ``Tensor.item`` and ``Tensor.tolist`` calls made inside the block.
+
+    On CUDA each is a device-to-host sync: the CPU stops queueing work until the
+    GPU has caught up. On CPU tensors nothing waits, but the count says what the
+    same code would cost on a GPU. funcoll's size exchanges are counted in compiled
+    graphs too: the graph reads the sizes inside the custom op ``funcoll::host_ints``,
+    which calls ``tolist``. Only the outermost call counts (under
+    ``torch.set_default_device`` a call passes through a ``__torch_function__`` mode
+    that calls the method again); ``int(t)``, ``float(t)`` and ``bool(t)`` are not
+    counted. ::
+
+        with count_host_reads() as reads:
+            out = funcoll.gather(x)      # eager: one read, the exchanged sizes
+        assert reads.count == 1
+    """
+    reads, depth = HostReads(), [0]
+    saved = torch.Tensor.item, torch.Tensor.tolist
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *a: Any, **kw: Any) -> Any:
+            reads.count += depth[0] == 0
+            depth[0] += 1
+            try:
+                return original(self, *a, **kw)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    torch.Tensor.item, torch.Tensor.tolist = counted(saved[0]), counted(saved[1])  # type: ignore[method-assign]
+    try:
+        yield reads
+    finally:
+        torch.Tensor.item, torch.Tensor.tolist = saved  # type: ignore[method-assign]

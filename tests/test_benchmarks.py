@@ -1,5 +1,4 @@
-"""``benchmarks/run.py --quick`` runs every family and writes the JSON and one plot per family;
-``benchmarks/bench_checked.py --quick`` prints its table.
+"""``benchmarks/run.py --quick`` runs every family and writes the JSON and one plot per family.
 
 A smoke run (one small size, 2 ranks, one round): it checks that the runner and
 every family's benchmark still work against funcoll's current API and that the
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-FAMILIES = ("gather", "sweep", "dtensor", "moe")
+FAMILIES = ("gather", "sweep", "dtensor", "moe", "checked")  # and row_kernels, skipped without CUDA
 
 
 def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
@@ -24,26 +23,25 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
+    assert set(data["meta"]) == set(FAMILIES)
     assert all(data["meta"][f]["quick"] is True and data["meta"][f]["torch"] for f in FAMILIES)
+    assert all((m["backend"], m["device"]) == ("gloo", "cpu") for m in data["meta"].values())
     for family in FAMILIES:
         mine = [r for r in data["records"] if r["family"] == family]
         assert mine, f"no {family} records"
         assert all(r["ratio"] > 0 and r["bytes"] > 0 and r["world"] == 2 for r in mine), mine[0]
+        assert all(r["seconds"] > 0 for r in mine), family  # every plot has its time and bandwidth rows
         assert (tmp_path / f"{family}.png").stat().st_size > 10_000, f"{family}.png"
         assert f"### {family}: time / baseline" in done.stdout
+    assert "row_kernels: skipped, funcoll's Triton kernels serve CUDA tensors" in done.stdout
+    assert not (tmp_path / "row_kernels.png").exists()
     impls = {r["impl"] for r in data["records"] if r["family"] == "gather"}
     for expected in ("baseline", "funcoll.gather auto", "pad+list (seed 000)", "all_gather_object"):
         assert expected in impls, sorted(impls)
+    sweep = {r["impl"] for r in data["records"] if r["family"] == "sweep"}
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        assert f"funcol {op} (even, baseline)" in sweep, sorted(sweep)
     moe = {r["impl"]: r["host_syncs"] for r in data["records"] if r["family"] == "moe"}
     assert moe == {"titan": 1, "funcoll.moe exact": 1, "funcoll.moe static": 0}, moe
-
-
-def test_checked_benchmark_quick_run_prints_both_ops() -> None:
-    script = RUN.with_name("bench_checked.py")
-    done = subprocess.run(
-        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 2 |")]
-    assert sorted(r[2].strip() for r in rows) == ["all_gather", "gather"], done.stdout
-    assert all(float(r[6]) > 0 for r in rows), done.stdout
+    checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
+    assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")}

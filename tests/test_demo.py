@@ -2,7 +2,7 @@
 
 The demo runs in-process through its entry function (``funcoll.demo.main``), which
 starts its own gloo ranks, with few steps: the compiled run's compile is most of
-its time.
+its time. One test runs it as a user does under a launcher: ``torchrun -m funcoll.demo``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import math
 from typing import Any
 
 import pytest
+from _torchrun import torchrun
 
+import funcoll
 from funcoll import _demo_train as train
 from funcoll import demo
 
@@ -26,7 +28,8 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
         return captured["runs"]
 
     monkeypatch.setattr(demo, "run_ranks", keep_runs)
-    assert demo.main(["--world", "2", "--steps", "4"]) == 0
+    with funcoll.set_checks(False):  # as a user runs it: the counts below are those without checks
+        assert demo.main(["--world", "2", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "OK: the three runs match the single-process reference" in out
     (compiled,) = [
@@ -39,11 +42,34 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
     for r in runs:
         assert [len(r[m].losses) for m in train.MODES] == [4, 4, 4]
         assert all(math.isfinite(x) for m in train.MODES for x in r[m].losses)
+        # The counts the table shows. Seed-style: a size exchange (an all_gather and one .item() per rank)
+        # for the document ids, each block's attention and the loss, the two padded gathers, 4 all_to_alls
+        # a block (forward and backward), the gradients' all_reduce. funcoll: one size exchange (one host
+        # read), the ids' all_to_all, the 4 all_to_alls a block, the loss gather and its adjoint, the all_reduce.
+        exchanges = 1 + train.LAYERS + 1
+        assert (r["seed"].comm_calls, r["seed"].host_reads) == (
+            exchanges + 2 + 4 * train.LAYERS + 1,
+            2 * exchanges,
+        )
+        for mode in ("eager", "compiled"):
+            assert (r[mode].comm_calls, r[mode].host_reads) == (2 + 4 * train.LAYERS + 2 + 1, 1), mode
 
     # A run that drifts from the reference by more than the tolerance fails the demo.
     runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
     assert demo.report(train.Config(steps=4), 2, "gloo", runs) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_demo_runs_under_torchrun() -> None:
+    """``torchrun --nproc-per-node 2 -m funcoll.demo``: the launcher's ranks train, rank 0 prints the summary.
+
+    2 steps, and dynamo's ``eager`` backend for the compiled run (the launcher path is
+    under test here, not AOT autograd, which the in-process test compiles with).
+    """
+    out = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
+    assert f"funcoll {funcoll.__version__} demo: 2 gloo ranks on cpu" in out, out[-3000:]
+    assert out.count("OK: the three runs match the single-process reference") == 1, out[-3000:]
+    assert "funcoll compiled (eager)" in out
 
 
 def test_tour_still_passes(capsys: Any) -> None:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 # example file -> the world it runs on here (odd worlds where the example is about uneven splits)
-WORLDS = {"ulysses_attention.py": 3, "moe_dispatch.py": 3, "eval_gather.py": 3}
+WORLDS = {"ulysses_attention.py": 3, "moe_dispatch.py": 3, "eval_gather.py": 3, "dtensor_model.py": 2}
 ELSEWHERE = {"dtensor_ragged.py": ROOT / "tests" / "test_dtensor.py"}
 
 

@@ -87,3 +87,18 @@ def test_launch_runs_every_rank_or_reports_the_failure(
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0/2", "1/2"]
     assert launch(_raises, 2, timeout=60) == 1
     assert "ValueError: rank 0 of 2: bad input" in capsys.readouterr().err
+
+
+def test_count_host_reads_counts_item_and_tolist() -> None:
+    """Each ``item`` and ``tolist`` once, through a default-device mode too; ``int(t)`` not; then restored."""
+    from funcoll.testing import count_host_reads
+
+    saved = torch.Tensor.item, torch.Tensor.tolist
+    x = torch.arange(3)
+    with count_host_reads() as reads:
+        assert x.tolist() == [0, 1, 2] and x[1].item() == 1
+        with torch.device("cpu"):  # a __torch_function__ mode that calls the method again
+            x[2].item()
+        int(x[0])
+    assert reads.count == 3
+    assert (torch.Tensor.item, torch.Tensor.tolist) == saved
