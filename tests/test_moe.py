@@ -467,13 +467,16 @@ def test_docstring_examples_hold(batches: Batches) -> None:
 
 
 def test_benchmark_quick_run() -> None:
-    """benchmarks/bench_moe.py --quick (2 ranks, 64 tokens, one round): it runs, and its layers agree."""
+    """benchmarks/bench_moe.py --quick (2 ranks, 64 tokens, one round of 2-layer steps): it runs, its
+    layers agree, and it counts each one's host reads a step: one a layer for the recipe and exact
+    mode, none for static mode, one a step for the Dropless policy."""
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
     done = subprocess.run(
         [sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for method, syncs in (("titan", 1), ("funcoll.moe exact", 1), ("funcoll.moe static", 0)):
+    methods = (("titan", 2), ("funcoll.moe exact", 2), ("funcoll.moe static", 0), ("funcoll.moe dropless", 1))
+    for method, syncs in methods:
         assert re.search(rf"\| 2 \| 64 \| {re.escape(method)} \|[^|]+\|[^|]+\| {syncs} \|", done.stdout), (
             done.stdout
         )
