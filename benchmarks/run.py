@@ -16,9 +16,10 @@ Families (each one's own script documents its methods):
   ``reduce_scatter_tensor`` or ``all_to_all_single``), over payloads and layouts;
 - ``dtensor`` (``bench_dtensor.py``): DTensor's ``redistribute`` and the
   gather-then-chunk recipe against funcoll's all_to_all and from_ragged;
-- ``moe`` (``bench_moe.py``): one MoE layer's dispatch and combine,
-  ``funcoll.moe`` exact and static against a retyped torchtitan recipe, with the
-  host reads per layer;
+- ``moe`` (``bench_moe.py``): a training step's token movement through 2 MoE
+  layers (dispatch, combine, forward and backward), ``funcoll.moe`` exact,
+  static and the ``Dropless`` policy against a retyped torchtitan recipe, eager
+  and compiled, with the host reads per step;
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
   ``funcoll.set_checks(True)`` against the same step unchecked;
 - ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):

@@ -23,7 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 # example file -> the world it runs on here (odd worlds where the example is about uneven splits)
-WORLDS = {"ulysses_attention.py": 3, "moe_dispatch.py": 3, "eval_gather.py": 3, "dtensor_model.py": 2}
+WORLDS = {
+    "ulysses_attention.py": 3, "moe_dispatch.py": 3, "eval_gather.py": 3, "dtensor_model.py": 2, "moe_layer.py": 2,
+}  # fmt: skip
+# example file -> the extra arguments of its run() here (aot_eager: inductor's code generation costs
+# the suite time and is not what the example checks)
+ARGS: dict[str, tuple[object, ...]] = {"moe_layer.py": ("aot_eager",)}
 ELSEWHERE = {"dtensor_ragged.py": ROOT / "tests" / "test_dtensor.py"}
 
 
@@ -51,7 +56,7 @@ def test_example_docstring_says_how_to_run_it(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(WORLDS), ids=lambda n: f"{Path(n).stem}-world{WORLDS[n]}")
 def test_example_matches_one_process(name: str) -> None:
-    results = run_ranks(_load(name).run, WORLDS[name], timeout=120)
+    results = run_ranks(_load(name).run, WORLDS[name], *ARGS.get(name, ()), timeout=120)
     assert len(results) == WORLDS[name]
 
 
