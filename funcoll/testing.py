@@ -3,9 +3,12 @@
 :func:`run_ranks` is what funcoll's own tests use, and it is public so that code
 built on funcoll can test its collectives the same way: real processes and a real
 backend, never mocks. It fails in bounded time: a rank that raises makes the whole
-run raise with that rank's traceback, and a rank that dies or hangs (a deadlock,
-mismatched collectives) makes it raise ``TimeoutError`` after `timeout` seconds;
-every child process is killed either way.
+run raise :class:`RankError` with that rank's traceback; a rank that dies without a
+result (``os._exit``, a segfault) makes it raise :class:`RankError` naming the rank
+and its exit code or signal; and a rank that hangs or never calls a collective its
+peers wait in (a deadlock, mismatched collectives) makes it raise ``TimeoutError``
+after `timeout` seconds, naming the ranks that did not finish. Every child process
+is killed either way.
 
 Example::
 
@@ -200,6 +203,8 @@ def run_ranks(
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world)) - set(out))
+                for p in procs:  # hung: nothing left to wait for
+                    p.kill()
                 raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout:.0f}s")
             try:
                 rank, ok, payload = results.get(timeout=min(left, 1.0))
