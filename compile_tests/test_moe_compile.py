@@ -15,7 +15,9 @@ rank and mode:
 - the AOT graphs' host reads: static mode has none (no ``_local_scalar_dense``,
   no funcoll custom op, forward or backward); exact mode has exactly one,
   the ``funcoll::host_ints`` read of the counts in the forward graph, and none
-  in the backward.
+  in the backward;
+- no collective left unwaited (``funcoll.testing.in_flight()``) after the
+  compiled steps, nor after the eager ones.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from funcoll import moe
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 STEPS = 20
 E_LOCAL, K, H = 2, 2, 6
@@ -90,7 +92,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(step_fn, fullgraph=True, backend=counter)
         got = [_one_step(compiled, s, rank, world, mode) for s in range(STEPS)]
+        left = {"compiled": in_flight()}
         eager = [_one_step(step_fn, s, rank, world, mode) for s in range(STEPS)]
+        left["eager"] = in_flight()
         graphs: list[torch.fx.GraphModule] = []
 
         def keep(gm: torch.fx.GraphModule, _: object, graphs: list = graphs) -> torch.fx.GraphModule:
@@ -111,6 +115,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             "eager": eager,
             "reads": [_host_reads(gm) for gm in graphs],
             "breaks": breaks,
+            "in_flight": left,
         }
     return res
 
@@ -124,6 +129,9 @@ def test_compiled_moe_step_one_graph_matches_eager() -> None:
             r = res[mode]
             assert r["frames"] == 1, f"rank {rank} {mode}: {r['frames']} compiles"
             assert r["breaks"] == 0, f"rank {rank} {mode}: {r['breaks']} graph breaks"
+            assert r["in_flight"] == {"compiled": 0, "eager": 0}, (
+                f"rank {rank} {mode}: unwaited {r['in_flight']}"
+            )
             want = [[], []] if mode == "static" else [["funcoll.host_ints.default"], []]
             assert r["reads"] == want, f"rank {rank} {mode}: host reads {r['reads']}"
             for s, (a, b) in enumerate(zip(r["got"], r["eager"], strict=True)):

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "launch", "recording_backend", "run_ranks"]
+__all__ = ["RankError", "in_flight", "launch", "recording_backend", "run_ranks"]
 
 
 class RankError(RuntimeError):
@@ -228,6 +228,23 @@ def run_ranks(
         if os.path.exists(store_path):
             os.unlink(store_path)
     return [out[r] for r in range(world)]
+
+
+def in_flight() -> int:
+    """How many collectives this process has issued and not yet waited for (c10d's work registry).
+
+    A functional collective stays registered until its ``wait_tensor``; any left
+    when the process exits make c10d warn of "unwaited collective calls". After any
+    funcoll op, eager or compiled, forward or backward, and after any error one
+    raised, it is 0: check it in code built on funcoll the same way. ::
+
+        def body(rank, world):
+            funcoll.gather(torch.ones(rank + 1))
+            return in_flight()
+
+        assert run_ranks(body, world=2) == [0, 0]
+    """
+    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def launch(

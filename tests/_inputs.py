@@ -1,11 +1,17 @@
-"""Deterministic per-rank inputs and the cached batch runner shared by the test modules."""
+"""Deterministic per-rank inputs, the cached batch runner and a torchrun runner shared by the test modules."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -43,3 +49,25 @@ def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], 
         return done[world]
 
     return batch
+
+
+def torchrun(script: Path, nproc: int, timeout: float) -> tuple[str, str]:
+    """Run `script` under ``torchrun --standalone`` on `nproc` gloo ranks, this checkout's funcoll first.
+
+    Returns (stdout, stderr) of a run that exited with 0; fails the test with the end
+    of stderr otherwise, or after `timeout` seconds (torchrun and its ranks killed).
+    """
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(script)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout:.0f} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    return out, err

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _inputs import once_per_world, seeded
+from _inputs import once_per_world, seeded, torchrun
 from torch import Tensor
 
 import funcoll
@@ -593,24 +594,10 @@ def test_docs_placement_table_is_the_specs() -> None:
 
 
 def test_torchrun_example_runs() -> None:
-    """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(root / "examples" / "dtensor_ragged.py")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 120 s:\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+    """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks; nothing left unwaited."""
+    out, err = torchrun(
+        Path(__file__).resolve().parents[1] / "examples" / "dtensor_ragged.py", 2, timeout=120
+    )
     assert "DTensor (7, 3) (Shard(dim=0),), local rows [0.0, 1.0, 2.0, 3.0]" in out
     assert out.count("tokens back") == 2
+    assert "unwaited" not in err, err[-3000:]

@@ -20,6 +20,10 @@ not hang, within the process group's timeout and a margin (timed on the rank):
 The fault in the middle of an op is injected by a dispatch mode on rank 1 that
 lets the first `n` functional collectives of the op through and exits the process
 at the next one: the collectives themselves are real.
+
+Last, a short program (``tests/_at_exit.py``) runs under torchrun: public ops, eager
+and compiled, and funcoll's errors raised mid-op, after which its ranks exit normally
+and c10d must not warn of "unwaited collective calls".
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _inputs import torchrun
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcoll
@@ -213,3 +219,17 @@ def test_compiled_step_fails_with_the_backends_error_unchecked() -> None:
     assert "Connection" in report or "Timed out" in report, report
     assert not re.findall(r"^(?:RuntimeError|DistBackendError): funcoll\.", report, flags=re.M), report
     assert "rank 1 of 2 died without a result (exit code 3)" in message
+
+
+def test_no_unwaited_collective_at_exit() -> None:
+    """tests/_at_exit.py under torchrun: public ops, eager and compiled, and errors raised mid-op.
+
+    Its ranks exit as a program does (a forked ``run_ranks`` rank ends in ``os._exit``
+    and skips it), so c10d's exit check runs and would print "unwaited collective
+    calls" to stderr for any collective funcoll issued and never waited.
+    """
+    out, err = torchrun(Path(__file__).with_name("_at_exit.py"), 2, timeout=BOUND_S * 3)
+    for r in range(2):
+        line = f"rank {r}: done, errors ['funcoll.gather', 'funcoll.gather_padded'], 0 in flight"
+        assert line in out, out
+    assert "unwaited" not in err, err[-3000:]
