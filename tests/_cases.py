@@ -35,14 +35,18 @@ each rank checking its own results). The pieces:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
 import resource
+import sys
+import tempfile
 import time
 import traceback
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
@@ -51,6 +55,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters as dynamo_counters
 
 import funcoll
+from funcoll.testing import in_flight
 
 T = TypeVar("T")
 Out = Tensor | None | str | tuple[int, ...]  # one output: a tensor, None (gather's non-dst ranks), metadata
@@ -591,7 +596,11 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         if total.requires_grad:
             total.backward()
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-    return {"outs": [o.detach() if isinstance(o, Tensor) else o for o in outs], "grad": grad}
+    return {
+        "outs": [o.detach() if isinstance(o, Tensor) else o for o in outs],
+        "grad": grad,
+        "in_flight": in_flight(),
+    }
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -837,6 +846,7 @@ def exact(case: Case) -> bool:
 def check_case(case: Case, rank: int, got: dict[str, Any], expected: list[Out], grad: Tensor | None) -> None:
     """Assert that rank `rank`'s results equal the reference; the message names the case."""
     where = f"{case.id} rank {rank}"
+    assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited\n{case!r}"
     outs = got["outs"]
     assert len(outs) == len(expected), f"{where}: {len(outs)} outputs, expected {len(expected)}\n{case!r}"
     tol: dict[str, float] = {"rtol": 0.0, "atol": 0.0} if exact(case) else {}
@@ -1031,22 +1041,52 @@ def rss_bytes() -> int:
 RELEVANT_WARNING = re.compile(r"funcoll|c10d|distributed|ProcessGroup|gloo", re.IGNORECASE)
 
 
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Collect the lines this process writes to its stderr while inside: C++ warnings too.
+
+    c10d, gloo and torch's C++ code warn on file descriptor 2, not through Python's
+    ``warnings``, so the descriptor itself goes to a temporary file meanwhile; the
+    non-empty lines are in the yielded list on exit.
+    """
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(line for line in f.read().decode(errors="replace").splitlines() if line.strip())
+
+
 def soak_rank(rank: int, world: int, plan: SoakPlan) -> dict[str, Any]:
     """Run the plan's cases on this rank, each checked at once against the reference computed here.
 
     Each rank computes the single-process reference itself (from every rank's input, never with
     funcoll), so nothing accumulates: RSS is read after the warm-up and at the end. Returns the
-    counts, the first mismatches, the RSS readings and the funcoll/c10d warnings seen.
+    counts, the first mismatches, the RSS readings, the funcoll/c10d warnings seen (Python's, and
+    every line written to stderr, where C++ warns), the graphs dynamo compiled and the collectives
+    left unwaited at the end.
     """
     _BACKEND["name"] = plan.backend
     torch._dynamo.reset()
+    graphs_before = int(dynamo_counters["stats"]["unique_graphs"])  # the counters outlive reset()
     cases = soak_cases(plan)
     warmup = max(plan.warmup, 2 * len(plan.compiled))
     counts: dict[str, int] = {}
     failures: list[str] = []
     rss_start = rss_bytes()
     start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as seen, funcoll.set_checks(plan.checks):
+    with (
+        captured_stderr() as stderr,
+        warnings.catch_warnings(record=True) as seen,
+        funcoll.set_checks(plan.checks),
+    ):
         warnings.simplefilter("always")
         for i, case in enumerate(cases):
             if i == warmup:
@@ -1077,6 +1117,26 @@ def soak_rank(rank: int, world: int, plan: SoakPlan) -> dict[str, Any]:
         "rss_start": rss_start,
         "rss_end": rss_end,
         "warnings": sorted(set(relevant)),
+        "stderr": stderr,
         "seconds": time.perf_counter() - start,
-        "graphs": int(dynamo_counters["stats"]["unique_graphs"]),
+        "graphs": int(dynamo_counters["stats"]["unique_graphs"]) - graphs_before,
+        "in_flight": in_flight(),
     }
+
+
+def graph_bound(plan: SoakPlan, rank: int) -> int:
+    """The graphs rank `rank` of a soak may compile: one per compiled step, whose signature is fixed.
+
+    One more for a step whose first call on this rank is empty on a marked dim that is
+    not the outermost: dynamo then traces its stride static and the next non-empty call
+    compiles the graph that serves every length (``funcoll.mark_ragged``'s docstring).
+    """
+    first: dict[str, Case] = {}
+    for case in soak_cases(plan):
+        if case.compiled:
+            first.setdefault(case.compiled, case)
+    bound = len(first)
+    for name, case in first.items():
+        d, shape = COMPILED[name].ragged_dim, case.shapes[rank]
+        bound += d is not None and d % len(shape) != 0 and shape[d] == 0
+    return bound
