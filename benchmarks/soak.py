@@ -7,11 +7,12 @@ Every world size runs one set of gloo CPU ranks (``funcoll.testing.run_ranks``) 
 same random sequence of cases from ``tests/_cases.py``: any public op (``gather`` with the
 strategies auto/pad/a2a/shift and with ``dst``, ``all_gather_list``, ``all_gather_ragged``,
 ``reduce_scatter`` with ``sizes=``, ``all_to_all_v``, the even ops, ``gather_padded`` /
-``all_to_all_padded``, the region ops, ``from_ragged``/``to_ragged`` and DTensor inputs), sizes
-0 included, random dims (negative too), dtypes and memory layouts. About a quarter of the cases
-go through one of eight fixed compiled steps (``torch.compile(fullgraph=True)`` of a small step
-calling the op, the ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients),
-so the number of compiled functions, and the compile time, stays bounded. Each rank checks every
+``all_to_all_padded``, the region ops, ``from_ragged``/``to_ragged``, DTensor inputs,
+``funcoll.moe.dispatch``/``combine`` and ``funcoll.lax``), sizes 0 included, random dims
+(negative too), dtypes and memory layouts. About a quarter of the cases go through one of
+eight fixed compiled steps (``torch.compile(fullgraph=True)`` of a small step calling the op,
+the ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients), so the number of
+compiled functions, and the compile time, stays bounded. Each rank checks every
 result and float64 gradient at once against the reference it computes from every rank's input
 (``torch.cat`` / stack-and-reduce / splits, ``torch.autograd`` for the gradients, never
 funcoll), so nothing accumulates; it reads its RSS (``/proc/self/statm``) after the warm-up

@@ -289,6 +289,46 @@ def draw_ragged_dtensor(world: int, draw: Draw) -> Case:
                  dim=dim, to_sizes=tuple(to), given=draw.choice((True, False)))  # fmt: skip
 
 
+def draw_moe(world: int, draw: Draw) -> Case:
+    """moe.dispatch, a scale per expert, moe.combine: each rank's input holds its T tokens and
+    their k router weights side by side, ``(T, H + k)``, so x.grad checks both gradients."""
+    k, e_local, hidden = draw.int(1, 2), draw.int(1, 3), draw.int(1, 3)
+    mode = draw.choice(("exact", "static"))
+    tokens = _lengths(draw, world, 4)
+    capacity = None
+    if mode == "static":
+        capacity = draw.choice((None, *range(5)))
+        if capacity is None:  # the dropless bound T * k needs the same T on every rank
+            tokens = [tokens[0]] * world
+    routing = tuple(tuple(draw.int(0, world * e_local - 1) for _ in range(t * k)) for t in tokens)
+    return _case("moe", world, [(t, hidden + k) for t in tokens], "float64", draw.choice(LAYOUTS), True,
+                 k=k, e_local=e_local, hidden=hidden, mode=mode, capacity=capacity, align=draw.int(1, 2),
+                 routing=routing)  # fmt: skip
+
+
+LAX_FNS = ("psum", "all_gather", "psum_scatter", "ppermute")
+
+
+def draw_lax(world: int, draw: Draw) -> Case:
+    """A funcoll.lax collective over the 1-D mesh axis "i": JAX's arguments, JAX's semantics."""
+    fn = draw.choice(LAX_FNS)
+    shape = _shape(draw, 0 if fn != "psum_scatter" else 1, 3)
+    kw: dict[str, Any] = {"fn": fn}
+    if fn == "all_gather":
+        kw["tiled"] = tiled = draw.choice((True, False)) and len(shape) > 0
+        n = len(shape) + (0 if tiled else 1)
+        kw["axis"] = draw.int(-n, n - 1)
+    elif fn == "psum_scatter":
+        kw["tiled"] = tiled = draw.choice((True, False))
+        d = draw.int(-len(shape), len(shape) - 1)
+        shape[d] = world * draw.int(0, 2) if tiled else world
+        kw["scatter_dimension"] = d
+    elif fn == "ppermute":
+        kw["perm"] = _perm(draw, world)
+    dtype = draw.choice(("float64", "float32", "bfloat16", "int64", "int32"))
+    return _case("lax", world, [shape] * world, dtype, draw.choice(LAYOUTS), True, **kw)
+
+
 # DTensor in, DTensor out: (funcoll op, the input placement kind, the output placement kind)
 DTENSOR_OPS: dict[str, tuple[str, str]] = {
     "all_gather": ("S", "R"),
@@ -412,6 +452,8 @@ DRAWS: dict[str, Callable[[int, Draw], Case]] = {
     "gather_forward_split_backward": draw_gather_forward_split_backward,
     "ragged_dtensor": draw_ragged_dtensor,
     "dtensor": draw_dtensor,
+    "moe": draw_moe,
+    "lax": draw_lax,
     "gather": draw_gather,
     "all_gather_list": draw_all_gather_list,
     "all_gather_ragged": draw_all_gather_ragged,
@@ -433,7 +475,10 @@ def generator(case: Case, rank: int, stream: int) -> torch.Generator:
 
 def _small(case: Case) -> bool:
     """Reductions get small integers (exact sums and products over 4 ranks in bfloat16/float16)."""
-    return case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v") and case.dtype != "float64"
+    summed = case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v") or (
+        case.op == "lax" and case.arg("fn") in ("psum", "psum_scatter")
+    )
+    return summed and case.dtype != "float64"
 
 
 def values(shape: Sequence[int], dtype: str, gen: torch.Generator, small: bool = False) -> Tensor:
@@ -514,11 +559,11 @@ _MESHES: dict[int, Any] = {}
 
 
 def mesh(world: int) -> Any:
-    """This rank's 1-D DeviceMesh over the world, made once per process (no new group per case)."""
+    """This rank's 1-D DeviceMesh over the world, axis "i", made once per process (no new group per case)."""
     if world not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[world] = init_device_mesh("cpu", (world,))
+        _MESHES[world] = init_device_mesh("cpu", (world,), mesh_dim_names=("i",))
     return _MESHES[world]
 
 
@@ -565,6 +610,10 @@ def call(case: Case, x: Tensor, rank: int) -> list[Out]:
         return [y.to_local(), back, torch.tensor([int(s) for s in sizes]), _placements(y), tuple(y.shape)]
     if op == "dtensor":
         return _call_dtensor(case, x)
+    if op == "moe":
+        return _call_moe(case, x, rank)
+    if op == "lax":
+        return [_call_lax(case, x)]
     sizes = _sizes_arg([s[a("dim")] for s in case.shapes], a("sizes_as", ""))
     if op == "gather":
         return [funcoll.gather(x, a("dim"), a("dst"), strategy=a("strategy"), sizes=sizes)]
@@ -580,6 +629,41 @@ def call(case: Case, x: Tensor, rank: int) -> list[Out]:
         recv = None if a("exchange") else _given([row[rank] for row in counts], a("sizes_as"))
         return list(funcoll.all_to_all_v(x, send, recv, dim=a("dim")))
     raise KeyError(op)
+
+
+def _routing(case: Case, rank: int) -> Tensor:
+    return torch.tensor(case.arg("routing")[rank], dtype=torch.int64).view(-1, case.arg("k"))
+
+
+def _expert_scale(expert: Tensor) -> Tensor:
+    """The experts of the MoE cases: global expert e multiplies its rows by (e + 1) / 2."""
+    return ((expert + 1) / 2).to(torch.float64).unsqueeze(-1)
+
+
+def _call_moe(case: Case, x: Tensor, rank: int) -> list[Out]:
+    a = case.arg
+    h, w = a("hidden"), case.world
+    recv, handle = funcoll.moe.dispatch(x[:, :h], _routing(case, rank), w * a("e_local"), mode=a("mode"),
+                                        capacity=a("capacity"), align=a("align"))  # fmt: skip
+    # Each row's local expert from the blocks' offsets, on the device (padding rows are zero).
+    local = torch.searchsorted(handle.offsets, torch.arange(recv.shape[0]), right=True) - 1
+    y = recv * _expert_scale(rank * a("e_local") + local)
+    out = funcoll.moe.combine(y, handle, x[:, h:])
+    return [recv, handle.counts, handle.offsets, handle.dropped, out]
+
+
+def _call_lax(case: Case, x: Tensor) -> Tensor:
+    a, fn = case.arg, case.arg("fn")
+    with funcoll.lax.mesh(mesh(case.world)):
+        if fn == "psum":
+            return funcoll.lax.psum(x, "i")
+        if fn == "all_gather":
+            return funcoll.lax.all_gather(x, "i", axis=a("axis"), tiled=a("tiled"))
+        if fn == "psum_scatter":
+            return funcoll.lax.psum_scatter(
+                x, "i", scatter_dimension=a("scatter_dimension"), tiled=a("tiled")
+            )
+        return funcoll.lax.ppermute(x, "i", [tuple(p) for p in a("perm")])
 
 
 def _placements(y: Any) -> str:
@@ -678,6 +762,10 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
         back = torch.split(y, list(a("to_sizes")), d)
         lengths = torch.tensor([x.shape[d] for x in xs])
         return [[local[r], back[r], lengths, str(_placement(f"S{d}")), tuple(y.shape)] for r in range(w)]
+    if op == "moe":
+        return _moe_reference(case, xs)
+    if op == "lax":
+        return _lax_reference(case, xs)
     d = a("dim")
     if op in ("gather_forward_split_backward", "all_gather_ragged", "gather"):
         y = torch.cat(xs, d)
@@ -696,6 +784,68 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
         return [[torch.cat([blocks[i][r] for i in range(w)], d), torch.tensor([row[r] for row in counts])]
                 for r in range(w)]  # fmt: skip
     raise KeyError(op)
+
+
+def _moe_kept(case: Case, rank: int) -> list[bool]:
+    """Static mode's rule: rank `rank` keeps its first `capacity` pairs per destination, (t, j) order."""
+    a, routes = case.arg, case.arg("routing")[rank]
+    if a("mode") == "exact":
+        return [True] * len(routes)
+    cap = a("k") * case.shapes[rank][0] if a("capacity") is None else a("capacity")
+    seen = [0] * case.world
+    keep = []
+    for e in routes:
+        keep.append(seen[e // a("e_local")] < cap)
+        seen[e // a("e_local")] += 1
+    return keep
+
+
+def _moe_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
+    """Every rank's recv, counts, offsets, dropped and combined output, pair by pair in Python."""
+    a, w = case.arg, case.world
+    h, k, el, align = a("hidden"), a("k"), a("e_local"), a("align")
+    keeps = [_moe_kept(case, r) for r in range(w)]
+    pairs = [(s, f // k, e) for s in range(w) for f, e in enumerate(a("routing")[s]) if keeps[s][f]]
+    out: list[list[Out]] = []
+    for r in range(w):
+        rows, counts, offsets = [], [], []
+        for e in range(r * el, (r + 1) * el):
+            mine = [xs[s][t, :h] for s, t, pe in pairs if pe == e]  # source-major, then token order
+            offsets.append(len(rows))
+            counts.append(len(mine))
+            rows += mine + [torch.zeros(h, dtype=torch.float64)] * (-len(mine) % align)
+        if a("mode") == "static":  # a static number of rows: zeros after the blocks
+            cap = k * case.shapes[0][0] if a("capacity") is None else a("capacity")
+            total = w * cap + el * (align - 1)
+            rows += [torch.zeros(h, dtype=torch.float64)] * (total + -total % align - len(rows))
+        recv = torch.stack(rows) if rows else torch.zeros(0, h, dtype=torch.float64)
+        x, routes = xs[r], _routing(case, r)
+        keep = torch.tensor(keeps[r], dtype=torch.bool).view(-1, k).unsqueeze(-1)
+        picked = x[:, :h].unsqueeze(1) * _expert_scale(routes) * x[:, h:].unsqueeze(-1)  # (T, k, H)
+        combined = (picked * keep).sum(1)
+        dropped = torch.tensor(sum(not kept for kept in keeps[r]))
+        out.append([recv, torch.tensor(counts), torch.tensor(offsets), dropped, combined])
+    return out
+
+
+def _lax_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
+    a, fn, w = case.arg, case.arg("fn"), case.world
+    if fn == "psum":
+        return [[reduce("sum", xs)]] * w
+    if fn == "all_gather":
+        nd = xs[0].dim()
+        y = torch.cat(xs, a("axis")) if a("tiled") else torch.stack(xs, a("axis") % (nd + 1))
+        return [[y]] * w
+    if fn == "psum_scatter":
+        total, d = reduce("sum", xs), a("scatter_dimension")
+        if a("tiled"):
+            return [
+                [torch.split(total, total.shape[d] // w, d)[r]] if total.shape[d] else [total]
+                for r in range(w)
+            ]
+        return [[total.select(d, r)] for r in range(w)]
+    src_of = {dst: src for src, dst in a("perm")}
+    return [[xs[src_of[r]] if r in src_of else torch.zeros_like(xs[r])] for r in range(w)]
 
 
 def reference(case: Case) -> tuple[list[list[Out]], list[Tensor | None]]:
@@ -836,6 +986,10 @@ def _dtensor_reference(case: Case) -> tuple[list[list[Out]], list[Tensor | None]
 def exact(case: Case) -> bool:
     """Pure data movement (and max/min, integer and bool reductions) must match bitwise."""
     op = case.arg("op", "sum")
+    if case.op == "moe":  # combine sums each token's k weighted rows
+        return False
+    if case.op == "lax":
+        return case.arg("fn") in ("all_gather", "ppermute") or case.dtype in ("int64", "int32")
     if case.op not in ("reduce_scatter", "all_reduce", "reduce_scatter_v", "dtensor"):
         return True
     if case.op == "dtensor" and case.arg("fn") not in ("reduce_scatter", "all_reduce"):

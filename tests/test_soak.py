@@ -3,9 +3,9 @@
 Each world size runs ONE ``run_ranks`` call of :func:`_cases.soak_rank`: the ranks draw the
 same random sequence of cases (any public op, the ragged ones included: ``gather`` with every
 strategy and with ``dst``, ``all_gather_list``, ``all_gather_ragged``, ``reduce_scatter`` with
-``sizes=``, ``all_to_all_v``, and the even, static, region and DTensor ops of
-``tests/test_properties.py``), sizes 0 included, random dims, dtypes and layouts. About a
-quarter go through a compiled step (``torch.compile(fullgraph=True)``, aot_eager here, the
+``sizes=``, ``all_to_all_v``, and the even, static, region, DTensor, ``funcoll.moe`` and
+``funcoll.lax`` ops of ``tests/test_properties.py``), sizes 0 included, random dims, dtypes
+and layouts. About a quarter go through a compiled step (``torch.compile(fullgraph=True)``, aot_eager here, the
 ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients); each world compiles
 three of the eight steps of ``_cases.COMPILED``, so all eight compile somewhere and the
 compile time stays bounded.
