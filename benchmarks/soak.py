@@ -7,21 +7,26 @@ Every world size runs one set of gloo CPU ranks (``funcoll.testing.run_ranks``) 
 same random sequence of cases from ``tests/_cases.py``: any public op (``gather`` with the
 strategies auto/pad/a2a/shift and with ``dst``, ``all_gather_list``, ``all_gather_ragged``,
 ``reduce_scatter`` with ``sizes=``, ``all_to_all_v``, the even ops, ``gather_padded`` /
-``all_to_all_padded``, the region ops, ``from_ragged``/``to_ragged`` and DTensor inputs), sizes
-0 included, random dims (negative too), dtypes and memory layouts. About a quarter of the cases
-go through one of eight fixed compiled steps (``torch.compile(fullgraph=True)`` of a small step
-calling the op, the ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients),
-so the number of compiled functions, and the compile time, stays bounded. Each rank checks every
+``all_to_all_padded``, the region ops, ``from_ragged``/``to_ragged``, DTensor inputs,
+``funcoll.moe.dispatch``/``combine`` and ``funcoll.lax``), sizes 0 included, random dims
+(negative too), dtypes and memory layouts. About a quarter of the cases go through one of
+eight fixed compiled steps (``torch.compile(fullgraph=True)`` of a small step calling the op,
+the ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients), so the number of
+compiled functions, and the compile time, stays bounded. Each rank checks every
 result and float64 gradient at once against the reference it computes from every rank's input
 (``torch.cat`` / stack-and-reduce / splits, ``torch.autograd`` for the gradients, never
 funcoll), so nothing accumulates; it reads its RSS (``/proc/self/statm``) after the warm-up
-(every compiled step called twice) and at the end, and records every warning.
+(every compiled step called twice) and at the end, records every warning (Python's, and every
+line it writes to stderr, where C++ code warns), counts the graphs dynamo compiled, and reads
+c10d's work registry (``funcoll.testing.in_flight()``) after every case and at the end.
 
 The short run (default: 250 collectives per world, aot_eager) is what ``tests/test_soak.py``
 runs in the suite; ``--long`` runs 1000 per world with inductor. The summary gives the
-collectives run, per-op counts, compiled graphs per rank, RSS start/end/growth per rank, the
-funcoll/c10d warnings and the wall time. The exit code is 1 on any mismatch, an RSS growth of
-5% or more, or any funcoll/c10d warning.
+collectives run, per-op counts, compiled graphs per rank and their bound (one per compiled step:
+``_cases.graph_bound``), RSS start/end/growth per rank, the collectives left unwaited, the
+funcoll/c10d warnings and stderr lines, and the wall time. The exit code is 1 on any mismatch,
+an RSS growth of 5% or more, more graphs than the bound, a collective left unwaited, or any
+funcoll/c10d warning or stderr line.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the shared cases and references
 
-from _cases import COMPILED, SoakPlan, soak_rank
+from _cases import COMPILED, SoakPlan, graph_bound, soak_rank
 
 from funcoll.testing import run_ranks
 
@@ -64,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def summarize(world: int, ranks: list[dict[str, Any]], wall: float) -> list[str]:
-    """The summary lines of one world size, and whether it passed (the last line says)."""
+def summarize(world: int, ranks: list[dict[str, Any]], bounds: list[int], wall: float) -> list[str]:
+    """The summary lines of one world size (`bounds`: each rank's graph bound)."""
     r0 = ranks[0]
     lines = [
         f"world {world}: {r0['collectives']} collectives in {wall:.1f} s wall ({r0['seconds']:.1f} s in the loop)"
@@ -80,23 +85,29 @@ def summarize(world: int, ranks: list[dict[str, Any]], wall: float) -> list[str]
         growth = res["rss_end"] / res["rss_start"] - 1
         lines.append(
             f"  rank {r}: RSS {res['rss_start'] / 2**20:.1f} -> {res['rss_end'] / 2**20:.1f} MiB "
-            f"({100 * growth:+.2f}%), {res['graphs']} compiled graphs, {res['n_failures']} mismatches, "
-            f"{len(res['warnings'])} funcoll/c10d warnings"
+            f"({100 * growth:+.2f}%), {res['graphs']} compiled graphs (bound {bounds[r]}), "
+            f"{res['n_failures']} mismatches, {res['in_flight']} left in flight, "
+            f"{len(res['warnings'])} funcoll/c10d warnings, {len(res['stderr'])} stderr lines"
         )
         for w in res["warnings"]:
             lines.append(f"    warning: {w}")
+        for line in res["stderr"][:10]:
+            lines.append(f"    stderr: {line}")
         for f in res["failures"][:2]:
             lines.append("    mismatch: " + f.replace("\n", "\n      "))
     return lines
 
 
-def passed(ranks: list[dict[str, Any]], count: int) -> bool:
+def passed(ranks: list[dict[str, Any]], bounds: list[int], count: int) -> bool:
     return all(
         res["collectives"] == count
         and res["n_failures"] == 0
         and not res["warnings"]
+        and not res["stderr"]
+        and res["in_flight"] == 0
+        and 0 < res["graphs"] <= bound
         and res["rss_end"] / res["rss_start"] - 1 < RSS_GROWTH_MAX
-        for res in ranks
+        for res, bound in zip(ranks, bounds, strict=True)
     )
 
 
@@ -118,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"world {world}: FAILED to run: {type(e).__name__}: {e}", flush=True)
             ok = False
             continue
-        good = passed(ranks, count)
+        bounds = [graph_bound(plan, r) for r in range(world)]
+        good = passed(ranks, bounds, count)
         ok = ok and good
         total += ranks[0]["collectives"]
-        print("\n".join(summarize(world, ranks, time.perf_counter() - t0)), flush=True)
+        print("\n".join(summarize(world, ranks, bounds, time.perf_counter() - t0)), flush=True)
         print(f"  -> {'ok' if good else 'FAILED'}", flush=True)
     wall = time.perf_counter() - start
     print(f"soak: {total} collectives, {wall:.1f} s wall: {'PASSED' if ok else 'FAILED'}", flush=True)

@@ -55,7 +55,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import _spec, compat
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import RankError, in_flight, run_ranks
 
 __all__ = [
     "A2A",
@@ -798,16 +798,6 @@ def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None 
         }
     except Exception:  # noqa: BLE001 -- any failure is a result the test reports
         return {"error": traceback.format_exc(limit=-8)}
-
-
-def in_flight() -> int:
-    """Collectives issued and not yet waited for in this process (c10d's work registry).
-
-    A functional collective registers its work until ``wait_tensor``; whatever is
-    left at exit makes c10d warn of "unwaited collective calls". After every op,
-    eager or compiled, forward and backward, this must be 0.
-    """
-    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def has_error(result: dict[Any, Any]) -> bool:

@@ -25,8 +25,10 @@ op below), but DTensor's matmul, einsum and view rules in torch 2.13 fail to tra
 unbacked or dynamic lengths (docs/dtensor.md, Compiling).
 
 Every rank's forward and backward graphs must issue the same collectives in the same
-order. The DTensor forms of every op compile in one program too, and so does
-``local_map`` around a function that calls funcoll ops on local shards.
+order. The DTensor forms of every op, ``from_ragged`` and ``to_ragged`` included,
+compile in one program too (no collective left unwaited after it, eager or
+compiled: ``funcoll.testing.in_flight()``), and so does ``local_map`` around a
+function that calls funcoll ops on local shards.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from _ops import COLLECTIVE_PREFIX, recording_backend
 from torch import Tensor, nn
 
 import funcoll
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 D, HEADS, HIDDEN = 12, 6, 8
 HEAD_DIM = D // HEADS
@@ -335,6 +337,7 @@ def ops_body(rank: int, world: int) -> dict[str, Any]:
                 "loss": loss.detach(),
                 "values": values,
                 "grads": [x.grad.full_tensor(), pl.grad, pc.grad],
+                "in_flight": in_flight(),
             }
         return out
     except Exception:  # noqa: BLE001
@@ -344,6 +347,8 @@ def ops_body(rank: int, world: int) -> dict[str, Any]:
 def test_every_dtensor_op_compiles_in_one_program() -> None:
     for r, res in enumerate(run_ranks(ops_body, 3, timeout=TIMEOUT_S)):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
+        for kind in ("eager", "compiled"):
+            assert res[kind]["in_flight"] == 0, f"rank {r} {kind}: {res[kind]['in_flight']} left unwaited"
         torch.testing.assert_close(res["compiled"]["loss"], res["eager"]["loss"])
         for a, b in zip(res["compiled"]["values"] + res["compiled"]["grads"],
                         res["eager"]["values"] + res["eager"]["grads"], strict=True):  # fmt: skip

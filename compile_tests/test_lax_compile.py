@@ -23,7 +23,9 @@
   The MLP runs once more, compiled, on DTensor inputs (one of them on other
   placements, redistributed inside the graph), against the same reference.
 
-One ``run_ranks`` call runs everything (aot_eager, as funcoll's other compile tests).
+After every run, compiled or eager, no collective is left unwaited
+(``funcoll.testing.in_flight()``). One ``run_ranks`` call runs everything
+(aot_eager, as funcoll's other compile tests).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch import Tensor
 import funcoll
 import funcoll.lax as lax
 from funcoll import P
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 WORLD = 4
 TIMEOUT_S = 240.0
@@ -98,7 +100,7 @@ def _run(fn: Callable[[Tensor], Any], x: Tensor, w: Tensor) -> dict[str, Tensor]
     x = x.clone().requires_grad_()
     y = fn(x)
     (y * w).sum().backward()
-    return {"y": y.detach(), "grad": x.grad}
+    return {"y": y.detach(), "grad": x.grad, "in_flight": in_flight()}
 
 
 # ---------------------------------------------------------------------------- the ports
@@ -209,7 +211,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 full = y.full_tensor()
                 (full * _port_weight(name, tuple(full.shape))).sum().backward()
                 runs[kind] = {"y": full.detach(), "placements": [str(p) for p in y.placements],
-                              "grads": [t.grad for t in inputs]}  # fmt: skip
+                              "grads": [t.grad for t in inputs], "in_flight": in_flight()}  # fmt: skip
             out[name] = runs
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc(limit=-10)}
@@ -264,6 +266,8 @@ def results() -> list[Any]:
 
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
     assert "error" not in res[key], f"rank {rank}, {key}:\n{res[key]['error']}"
+    left = {kind: run["in_flight"] for kind, run in res[key].items()}
+    assert left == {"compiled": 0, "eager": 0}, f"rank {rank}, {key}: collectives left unwaited {left}"
     return res[key]
 
 

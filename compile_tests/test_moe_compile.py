@@ -19,7 +19,9 @@ the policy run 8 steps. Checked per rank and mode:
 - the AOT graphs' host reads (2 ranks): static mode and the policy's steady
   state have none (no ``_local_scalar_dense``, no funcoll custom op, forward or
   backward); exact mode has exactly one, the ``funcoll::host_ints`` read of the
-  counts in the forward graph, and none in the backward.
+  counts in the forward graph, and none in the backward;
+- no collective left unwaited (``funcoll.testing.in_flight()``) after the
+  compiled steps, nor after the eager ones.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 E_LOCAL, K, H = 2, 2, 6
 TOKENS = {2: (7, 4), 3: (7, 0, 4)}  # per rank, per world: T = 0 on a rank at 3
@@ -111,9 +113,13 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(step_fn, fullgraph=True, backend=counter)
         got, capacities = _steps(compiled, rank, world, mode)
+        left = {"compiled": in_flight()}
         eager, eager_capacities = _steps(step_fn, rank, world, mode)
+        left["eager"] = in_flight()
         assert capacities == eager_capacities, (capacities, eager_capacities)
-        res[mode] = {"frames": counter.frame_count, "capacities": capacities, "got": got, "eager": eager}
+        res[mode] = {
+            "frames": counter.frame_count, "capacities": capacities, "got": got, "eager": eager, "in_flight": left,
+        }  # fmt: skip
         if world == 2:  # the AOT graphs' host reads (the same graphs at any world size)
             graphs: list[torch.fx.GraphModule] = []
 
@@ -149,6 +155,9 @@ def test_compiled_moe_step_one_graph_matches_eager(world: int) -> None:
                 assert 2 <= frames <= len(grew) + 1, f"rank {rank}: {frames} compiles, capacities {grew}"
             else:
                 assert frames == 1, f"rank {rank} {mode}: {frames} compiles"
+            assert r["in_flight"] == {"compiled": 0, "eager": 0}, (
+                f"rank {rank} {mode}: unwaited {r['in_flight']}"
+            )
             want = [["funcoll.host_ints.default"], []] if mode == "exact" else [[], []]
             assert world != 2 or r["reads"] == want, f"rank {rank} {mode}: host reads {r['reads']}"
             for s, (a, b) in enumerate(zip(r["got"], r["eager"], strict=True)):

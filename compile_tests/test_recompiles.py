@@ -313,6 +313,27 @@ def test_mark_ragged_in_place_or_returned_compiles_once(returned: bool) -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    "inside", [pytest.param(True, id="in-inference-mode"), pytest.param(False, id="after")]
+)
+def test_mark_ragged_empty_inference_tensor_compiles_once(inside: bool) -> None:
+    # A tensor made under torch.inference_mode() has no version counter to keep while
+    # mark_ragged fixes an empty tensor's strides; marking it once raised a RuntimeError.
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda x: (x * 2).sum(0), backend=counter, fullgraph=True)
+    for n in (2, 0, 3, 0, 1):
+        with torch.inference_mode():
+            x = torch.randn(2, n)
+        assert x.is_inference()
+        with torch.inference_mode(inside):
+            got = step(funcoll.mark_ragged(x, 1))
+        assert x.stride() == (n, 1), x.stride()
+        torch.testing.assert_close(got, 2 * x[0] + 2 * x[1])
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("world, op", _case_params())
 def test_without_mark_ragged_recompiles_only_as_dynamo_does(world: int, op: str) -> None:
     for rank, res in enumerate(_rank_results(world, op, mark=False)):

@@ -27,7 +27,11 @@ SECTIONS = [
     ),
     ("funcoll.lax", funcoll.lax, funcoll.lax.__all__),
     ("funcoll.compat", funcoll.compat, funcoll.compat.__all__),
-    ("funcoll.testing", funcoll.testing, ["run_ranks", "launch", "recording_backend", "count_host_reads"]),
+    (
+        "funcoll.testing",
+        funcoll.testing,
+        ["run_ranks", "in_flight", "launch", "recording_backend", "count_host_reads"],
+    ),
 ]
 
 

@@ -6,7 +6,9 @@ so that one graph serves every ragged length (docs/compile.md).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,10 +37,11 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     with ``stride(0) == size(1)`` would be compiled again for every new local
     length of 0 on a dim that is not the outermost. The tensor holds no elements,
     so only its strides change, and its version counter is kept, so a backward
-    that saved it still runs. One case stays dynamo's own: if the *first* call
-    has length 0 there, dynamo cannot tie the stride to the unbacked size and
-    traces it static, so the next non-empty call compiles a second graph, which
-    then serves every length.
+    that saved it still runs (an inference tensor, made under
+    ``torch.inference_mode()``, has none to keep and is changed in that mode).
+    One case stays dynamo's own: if the *first* call has length 0 there, dynamo
+    cannot tie the stride to the unbacked size and traces it static, so the next
+    non-empty call compiles a second graph, which then serves every length.
 
     `min_size` tells the compiler the length is never below it. Code after the
     op that branches on an empty length, as ``scaled_dot_product_attention``
@@ -89,7 +92,13 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
         if tuple(strides) != x.stride():
             # Metadata only, as x holds no elements: the version counter stays, so an
             # autograd node that saved x does not see a change that changed no value.
-            with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(x):
+            # An inference tensor has no version counter, no autograd node saved it, and
+            # only inference mode may change it in place.
+            if x.is_inference():
+                keep: contextlib.AbstractContextManager[Any] = torch.inference_mode()
+            else:
+                keep = torch.autograd.grad_mode._unsafe_preserve_version_counter(x)
+            with torch.no_grad(), keep:
                 x.as_strided_(x.shape, strides)
     torch._dynamo.decorators.mark_unbacked(x, d, **bound)
     return x

@@ -3,9 +3,12 @@
 :func:`run_ranks` is what funcoll's own tests use, and it is public so that code
 built on funcoll can test its collectives the same way: real processes and a real
 backend, never mocks. It fails in bounded time: a rank that raises makes the whole
-run raise with that rank's traceback, and a rank that dies or hangs (a deadlock,
-mismatched collectives) makes it raise ``TimeoutError`` after `timeout` seconds;
-every child process is killed either way.
+run raise :class:`RankError` with that rank's traceback; a rank that dies without a
+result (``os._exit``, a segfault) makes it raise :class:`RankError` naming the rank
+and its exit code or signal; and a rank that hangs or never calls a collective its
+peers wait in (a deadlock, mismatched collectives) makes it raise ``TimeoutError``
+after `timeout` seconds, naming the ranks that did not finish. Every child process
+is killed either way.
 
 Example::
 
@@ -39,7 +42,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostReads", "RankError", "count_host_reads", "launch", "recording_backend", "run_ranks"]
+__all__ = [
+    "HostReads",
+    "RankError",
+    "count_host_reads",
+    "in_flight",
+    "launch",
+    "recording_backend",
+    "run_ranks",
+]
 
 
 class RankError(RuntimeError):
@@ -205,6 +216,8 @@ def run_ranks(
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world)) - set(out))
+                for p in procs:  # hung: nothing left to wait for
+                    p.kill()
                 raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout:.0f}s")
             try:
                 rank, ok, payload = results.get(timeout=min(left, 1.0))
@@ -228,6 +241,23 @@ def run_ranks(
         if os.path.exists(store_path):
             os.unlink(store_path)
     return [out[r] for r in range(world)]
+
+
+def in_flight() -> int:
+    """How many collectives this process has issued and not yet waited for (c10d's work registry).
+
+    A functional collective stays registered until its ``wait_tensor``; any left
+    when the process exits make c10d warn of "unwaited collective calls". After any
+    funcoll op, eager or compiled, forward or backward, and after any error one
+    raised, it is 0: check it in code built on funcoll the same way. ::
+
+        def body(rank, world):
+            funcoll.gather(torch.ones(rank + 1))
+            return in_flight()
+
+        assert run_ranks(body, world=2) == [0, 0]
+    """
+    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def launch(

@@ -35,14 +35,18 @@ each rank checking its own results). The pieces:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
 import resource
+import sys
+import tempfile
 import time
 import traceback
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
@@ -51,6 +55,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters as dynamo_counters
 
 import funcoll
+from funcoll.testing import in_flight
 
 T = TypeVar("T")
 Out = Tensor | None | str | tuple[int, ...]  # one output: a tensor, None (gather's non-dst ranks), metadata
@@ -284,6 +289,46 @@ def draw_ragged_dtensor(world: int, draw: Draw) -> Case:
                  dim=dim, to_sizes=tuple(to), given=draw.choice((True, False)))  # fmt: skip
 
 
+def draw_moe(world: int, draw: Draw) -> Case:
+    """moe.dispatch, a scale per expert, moe.combine: each rank's input holds its T tokens and
+    their k router weights side by side, ``(T, H + k)``, so x.grad checks both gradients."""
+    k, e_local, hidden = draw.int(1, 2), draw.int(1, 3), draw.int(1, 3)
+    mode = draw.choice(("exact", "static"))
+    tokens = _lengths(draw, world, 4)
+    capacity = None
+    if mode == "static":
+        capacity = draw.choice((None, *range(5)))
+        if capacity is None:  # the dropless bound T * k needs the same T on every rank
+            tokens = [tokens[0]] * world
+    routing = tuple(tuple(draw.int(0, world * e_local - 1) for _ in range(t * k)) for t in tokens)
+    return _case("moe", world, [(t, hidden + k) for t in tokens], "float64", draw.choice(LAYOUTS), True,
+                 k=k, e_local=e_local, hidden=hidden, mode=mode, capacity=capacity, align=draw.int(1, 2),
+                 routing=routing)  # fmt: skip
+
+
+LAX_FNS = ("psum", "all_gather", "psum_scatter", "ppermute")
+
+
+def draw_lax(world: int, draw: Draw) -> Case:
+    """A funcoll.lax collective over the 1-D mesh axis "i": JAX's arguments, JAX's semantics."""
+    fn = draw.choice(LAX_FNS)
+    shape = _shape(draw, 0 if fn != "psum_scatter" else 1, 3)
+    kw: dict[str, Any] = {"fn": fn}
+    if fn == "all_gather":
+        kw["tiled"] = tiled = draw.choice((True, False)) and len(shape) > 0
+        n = len(shape) + (0 if tiled else 1)
+        kw["axis"] = draw.int(-n, n - 1)
+    elif fn == "psum_scatter":
+        kw["tiled"] = tiled = draw.choice((True, False))
+        d = draw.int(-len(shape), len(shape) - 1)
+        shape[d] = world * draw.int(0, 2) if tiled else world
+        kw["scatter_dimension"] = d
+    elif fn == "ppermute":
+        kw["perm"] = _perm(draw, world)
+    dtype = draw.choice(("float64", "float32", "bfloat16", "int64", "int32"))
+    return _case("lax", world, [shape] * world, dtype, draw.choice(LAYOUTS), True, **kw)
+
+
 # DTensor in, DTensor out: (funcoll op, the input placement kind, the output placement kind)
 DTENSOR_OPS: dict[str, tuple[str, str]] = {
     "all_gather": ("S", "R"),
@@ -407,6 +452,8 @@ DRAWS: dict[str, Callable[[int, Draw], Case]] = {
     "gather_forward_split_backward": draw_gather_forward_split_backward,
     "ragged_dtensor": draw_ragged_dtensor,
     "dtensor": draw_dtensor,
+    "moe": draw_moe,
+    "lax": draw_lax,
     "gather": draw_gather,
     "all_gather_list": draw_all_gather_list,
     "all_gather_ragged": draw_all_gather_ragged,
@@ -428,7 +475,10 @@ def generator(case: Case, rank: int, stream: int) -> torch.Generator:
 
 def _small(case: Case) -> bool:
     """Reductions get small integers (exact sums and products over 4 ranks in bfloat16/float16)."""
-    return case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v") and case.dtype != "float64"
+    summed = case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v") or (
+        case.op == "lax" and case.arg("fn") in ("psum", "psum_scatter")
+    )
+    return summed and case.dtype != "float64"
 
 
 def values(shape: Sequence[int], dtype: str, gen: torch.Generator, small: bool = False) -> Tensor:
@@ -509,11 +559,11 @@ _MESHES: dict[int, Any] = {}
 
 
 def mesh(world: int) -> Any:
-    """This rank's 1-D DeviceMesh over the world, made once per process (no new group per case)."""
+    """This rank's 1-D DeviceMesh over the world, axis "i", made once per process (no new group per case)."""
     if world not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[world] = init_device_mesh("cpu", (world,))
+        _MESHES[world] = init_device_mesh("cpu", (world,), mesh_dim_names=("i",))
     return _MESHES[world]
 
 
@@ -560,6 +610,10 @@ def call(case: Case, x: Tensor, rank: int) -> list[Out]:
         return [y.to_local(), back, torch.tensor([int(s) for s in sizes]), _placements(y), tuple(y.shape)]
     if op == "dtensor":
         return _call_dtensor(case, x)
+    if op == "moe":
+        return _call_moe(case, x, rank)
+    if op == "lax":
+        return [_call_lax(case, x)]
     sizes = _sizes_arg([s[a("dim")] for s in case.shapes], a("sizes_as", ""))
     if op == "gather":
         return [funcoll.gather(x, a("dim"), a("dst"), strategy=a("strategy"), sizes=sizes)]
@@ -577,6 +631,41 @@ def call(case: Case, x: Tensor, rank: int) -> list[Out]:
     raise KeyError(op)
 
 
+def _routing(case: Case, rank: int) -> Tensor:
+    return torch.tensor(case.arg("routing")[rank], dtype=torch.int64).view(-1, case.arg("k"))
+
+
+def _expert_scale(expert: Tensor) -> Tensor:
+    """The experts of the MoE cases: global expert e multiplies its rows by (e + 1) / 2."""
+    return ((expert + 1) / 2).to(torch.float64).unsqueeze(-1)
+
+
+def _call_moe(case: Case, x: Tensor, rank: int) -> list[Out]:
+    a = case.arg
+    h, w = a("hidden"), case.world
+    recv, handle = funcoll.moe.dispatch(x[:, :h], _routing(case, rank), w * a("e_local"), mode=a("mode"),
+                                        capacity=a("capacity"), align=a("align"))  # fmt: skip
+    # Each row's local expert from the blocks' offsets, on the device (padding rows are zero).
+    local = torch.searchsorted(handle.offsets, torch.arange(recv.shape[0]), right=True) - 1
+    y = recv * _expert_scale(rank * a("e_local") + local)
+    out = funcoll.moe.combine(y, handle, x[:, h:])
+    return [recv, handle.counts, handle.offsets, handle.dropped, out]
+
+
+def _call_lax(case: Case, x: Tensor) -> Tensor:
+    a, fn = case.arg, case.arg("fn")
+    with funcoll.lax.mesh(mesh(case.world)):
+        if fn == "psum":
+            return funcoll.lax.psum(x, "i")
+        if fn == "all_gather":
+            return funcoll.lax.all_gather(x, "i", axis=a("axis"), tiled=a("tiled"))
+        if fn == "psum_scatter":
+            return funcoll.lax.psum_scatter(
+                x, "i", scatter_dimension=a("scatter_dimension"), tiled=a("tiled")
+            )
+        return funcoll.lax.ppermute(x, "i", [tuple(p) for p in a("perm")])
+
+
 def _placements(y: Any) -> str:
     return ",".join(str(p) for p in y.placements)
 
@@ -591,7 +680,11 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         if total.requires_grad:
             total.backward()
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-    return {"outs": [o.detach() if isinstance(o, Tensor) else o for o in outs], "grad": grad}
+    return {
+        "outs": [o.detach() if isinstance(o, Tensor) else o for o in outs],
+        "grad": grad,
+        "in_flight": in_flight(),
+    }
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -669,6 +762,10 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
         back = torch.split(y, list(a("to_sizes")), d)
         lengths = torch.tensor([x.shape[d] for x in xs])
         return [[local[r], back[r], lengths, str(_placement(f"S{d}")), tuple(y.shape)] for r in range(w)]
+    if op == "moe":
+        return _moe_reference(case, xs)
+    if op == "lax":
+        return _lax_reference(case, xs)
     d = a("dim")
     if op in ("gather_forward_split_backward", "all_gather_ragged", "gather"):
         y = torch.cat(xs, d)
@@ -687,6 +784,68 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
         return [[torch.cat([blocks[i][r] for i in range(w)], d), torch.tensor([row[r] for row in counts])]
                 for r in range(w)]  # fmt: skip
     raise KeyError(op)
+
+
+def _moe_kept(case: Case, rank: int) -> list[bool]:
+    """Static mode's rule: rank `rank` keeps its first `capacity` pairs per destination, (t, j) order."""
+    a, routes = case.arg, case.arg("routing")[rank]
+    if a("mode") == "exact":
+        return [True] * len(routes)
+    cap = a("k") * case.shapes[rank][0] if a("capacity") is None else a("capacity")
+    seen = [0] * case.world
+    keep = []
+    for e in routes:
+        keep.append(seen[e // a("e_local")] < cap)
+        seen[e // a("e_local")] += 1
+    return keep
+
+
+def _moe_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
+    """Every rank's recv, counts, offsets, dropped and combined output, pair by pair in Python."""
+    a, w = case.arg, case.world
+    h, k, el, align = a("hidden"), a("k"), a("e_local"), a("align")
+    keeps = [_moe_kept(case, r) for r in range(w)]
+    pairs = [(s, f // k, e) for s in range(w) for f, e in enumerate(a("routing")[s]) if keeps[s][f]]
+    out: list[list[Out]] = []
+    for r in range(w):
+        rows, counts, offsets = [], [], []
+        for e in range(r * el, (r + 1) * el):
+            mine = [xs[s][t, :h] for s, t, pe in pairs if pe == e]  # source-major, then token order
+            offsets.append(len(rows))
+            counts.append(len(mine))
+            rows += mine + [torch.zeros(h, dtype=torch.float64)] * (-len(mine) % align)
+        if a("mode") == "static":  # a static number of rows: zeros after the blocks
+            cap = k * case.shapes[0][0] if a("capacity") is None else a("capacity")
+            total = w * cap + el * (align - 1)
+            rows += [torch.zeros(h, dtype=torch.float64)] * (total + -total % align - len(rows))
+        recv = torch.stack(rows) if rows else torch.zeros(0, h, dtype=torch.float64)
+        x, routes = xs[r], _routing(case, r)
+        keep = torch.tensor(keeps[r], dtype=torch.bool).view(-1, k).unsqueeze(-1)
+        picked = x[:, :h].unsqueeze(1) * _expert_scale(routes) * x[:, h:].unsqueeze(-1)  # (T, k, H)
+        combined = (picked * keep).sum(1)
+        dropped = torch.tensor(sum(not kept for kept in keeps[r]))
+        out.append([recv, torch.tensor(counts), torch.tensor(offsets), dropped, combined])
+    return out
+
+
+def _lax_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
+    a, fn, w = case.arg, case.arg("fn"), case.world
+    if fn == "psum":
+        return [[reduce("sum", xs)]] * w
+    if fn == "all_gather":
+        nd = xs[0].dim()
+        y = torch.cat(xs, a("axis")) if a("tiled") else torch.stack(xs, a("axis") % (nd + 1))
+        return [[y]] * w
+    if fn == "psum_scatter":
+        total, d = reduce("sum", xs), a("scatter_dimension")
+        if a("tiled"):
+            return [
+                [torch.split(total, total.shape[d] // w, d)[r]] if total.shape[d] else [total]
+                for r in range(w)
+            ]
+        return [[total.select(d, r)] for r in range(w)]
+    src_of = {dst: src for src, dst in a("perm")}
+    return [[xs[src_of[r]] if r in src_of else torch.zeros_like(xs[r])] for r in range(w)]
 
 
 def reference(case: Case) -> tuple[list[list[Out]], list[Tensor | None]]:
@@ -827,6 +986,10 @@ def _dtensor_reference(case: Case) -> tuple[list[list[Out]], list[Tensor | None]
 def exact(case: Case) -> bool:
     """Pure data movement (and max/min, integer and bool reductions) must match bitwise."""
     op = case.arg("op", "sum")
+    if case.op == "moe":  # combine sums each token's k weighted rows
+        return False
+    if case.op == "lax":
+        return case.arg("fn") in ("all_gather", "ppermute") or case.dtype in ("int64", "int32")
     if case.op not in ("reduce_scatter", "all_reduce", "reduce_scatter_v", "dtensor"):
         return True
     if case.op == "dtensor" and case.arg("fn") not in ("reduce_scatter", "all_reduce"):
@@ -837,6 +1000,7 @@ def exact(case: Case) -> bool:
 def check_case(case: Case, rank: int, got: dict[str, Any], expected: list[Out], grad: Tensor | None) -> None:
     """Assert that rank `rank`'s results equal the reference; the message names the case."""
     where = f"{case.id} rank {rank}"
+    assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited\n{case!r}"
     outs = got["outs"]
     assert len(outs) == len(expected), f"{where}: {len(outs)} outputs, expected {len(expected)}\n{case!r}"
     tol: dict[str, float] = {"rtol": 0.0, "atol": 0.0} if exact(case) else {}
@@ -1031,22 +1195,52 @@ def rss_bytes() -> int:
 RELEVANT_WARNING = re.compile(r"funcoll|c10d|distributed|ProcessGroup|gloo", re.IGNORECASE)
 
 
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Collect the lines this process writes to its stderr while inside: C++ warnings too.
+
+    c10d, gloo and torch's C++ code warn on file descriptor 2, not through Python's
+    ``warnings``, so the descriptor itself goes to a temporary file meanwhile; the
+    non-empty lines are in the yielded list on exit.
+    """
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(line for line in f.read().decode(errors="replace").splitlines() if line.strip())
+
+
 def soak_rank(rank: int, world: int, plan: SoakPlan) -> dict[str, Any]:
     """Run the plan's cases on this rank, each checked at once against the reference computed here.
 
     Each rank computes the single-process reference itself (from every rank's input, never with
     funcoll), so nothing accumulates: RSS is read after the warm-up and at the end. Returns the
-    counts, the first mismatches, the RSS readings and the funcoll/c10d warnings seen.
+    counts, the first mismatches, the RSS readings, the funcoll/c10d warnings seen (Python's, and
+    every line written to stderr, where C++ warns), the graphs dynamo compiled and the collectives
+    left unwaited at the end.
     """
     _BACKEND["name"] = plan.backend
     torch._dynamo.reset()
+    graphs_before = int(dynamo_counters["stats"]["unique_graphs"])  # the counters outlive reset()
     cases = soak_cases(plan)
     warmup = max(plan.warmup, 2 * len(plan.compiled))
     counts: dict[str, int] = {}
     failures: list[str] = []
     rss_start = rss_bytes()
     start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as seen, funcoll.set_checks(plan.checks):
+    with (
+        captured_stderr() as stderr,
+        warnings.catch_warnings(record=True) as seen,
+        funcoll.set_checks(plan.checks),
+    ):
         warnings.simplefilter("always")
         for i, case in enumerate(cases):
             if i == warmup:
@@ -1077,6 +1271,26 @@ def soak_rank(rank: int, world: int, plan: SoakPlan) -> dict[str, Any]:
         "rss_start": rss_start,
         "rss_end": rss_end,
         "warnings": sorted(set(relevant)),
+        "stderr": stderr,
         "seconds": time.perf_counter() - start,
-        "graphs": int(dynamo_counters["stats"]["unique_graphs"]),
+        "graphs": int(dynamo_counters["stats"]["unique_graphs"]) - graphs_before,
+        "in_flight": in_flight(),
     }
+
+
+def graph_bound(plan: SoakPlan, rank: int) -> int:
+    """The graphs rank `rank` of a soak may compile: one per compiled step, whose signature is fixed.
+
+    One more for a step whose first call on this rank is empty on a marked dim that is
+    not the outermost: dynamo then traces its stride static and the next non-empty call
+    compiles the graph that serves every length (``funcoll.mark_ragged``'s docstring).
+    """
+    first: dict[str, Case] = {}
+    for case in soak_cases(plan):
+        if case.compiled:
+            first.setdefault(case.compiled, case)
+    bound = len(first)
+    for name, case in first.items():
+        d, shape = COMPILED[name].ragged_dim, case.shapes[rank]
+        bound += d is not None and d % len(shape) != 0 and shape[d] == 0
+    return bound

@@ -13,8 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> str:
-    """``torchrun --standalone --nproc-per-node nproc *args`` in the repository root; its stdout.
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> tuple[str, str]:
+    """``torchrun --standalone --nproc-per-node nproc *args`` in the repository root; its (stdout, stderr).
 
     This checkout's funcoll comes first on the ranks' path, and ``--standalone``
     picks a free port. The test fails unless the exit status is 0; after `timeout`
@@ -39,4 +39,4 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> str:
         out, err = proc.communicate()
         pytest.fail(f"torchrun did not finish in {timeout:g} s:\n{err[-3000:]}")
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return out
+    return out, err

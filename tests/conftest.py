@@ -1,4 +1,5 @@
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -6,6 +7,8 @@ import funcoll
 
 # Inductor's compile workers are subprocesses; on a 2-core machine one is enough.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+_REPORT = pytest.StashKey[list[str]]()
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +20,20 @@ def _cross_rank_checks():
     compiles the checked ops."""
     with funcoll.set_checks(True):
         yield
+
+
+@pytest.fixture(scope="session")
+def report(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """Add a line to the "funcoll" section at the end of pytest's output, shown without -s.
+
+    What a run measured rather than asserted: how many property examples ran, the
+    soak's collectives, graphs and RSS growth."""
+    return pytestconfig.stash.setdefault(_REPORT, []).append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    lines = config.stash.get(_REPORT, [])
+    if lines:
+        terminalreporter.section("funcoll")
+        for line in lines:
+            terminalreporter.write_line(line)

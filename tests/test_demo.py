@@ -66,7 +66,7 @@ def test_demo_runs_under_torchrun() -> None:
     2 steps, and dynamo's ``eager`` backend for the compiled run (the launcher path is
     under test here, not AOT autograd, which the in-process test compiles with).
     """
-    out = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
+    out, _ = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
     assert f"funcoll {funcoll.__version__} demo: 2 gloo ranks on cpu" in out, out[-3000:]
     assert out.count("OK: the three runs match the single-process reference") == 1, out[-3000:]
     assert "funcoll compiled (eager)" in out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -581,7 +582,6 @@ def test_chunk_sizes_are_torch_chunks() -> None:
 def test_docs_placement_table_is_the_specs() -> None:
     """docs/dtensor.md lists every op's (takes, gives) as its spec says, and no other op."""
     import re
-    from pathlib import Path
 
     from funcoll._spec import SPECS
 
@@ -594,7 +594,8 @@ def test_docs_placement_table_is_the_specs() -> None:
 
 
 def test_torchrun_example_runs() -> None:
-    """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks."""
-    out = torchrun([str(ROOT / "examples" / "dtensor_ragged.py")])
+    """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks; nothing left unwaited."""
+    out, err = torchrun([str(ROOT / "examples" / "dtensor_ragged.py")])
     assert "DTensor (7, 3) (Shard(dim=0),), local rows [0.0, 1.0, 2.0, 3.0]" in out
     assert out.count("tokens back") == 2
+    assert "unwaited" not in err, err[-3000:]

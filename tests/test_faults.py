@@ -2,22 +2,28 @@
 
 Each case runs real gloo ranks (``funcoll.testing.run_ranks``) with a short
 process-group timeout. Rank 1 is the faulty one: it raises before the op, exits
-(``os._exit``) before it or in the middle of it, or never calls it. Rank 0 (and
-rank 2 at world 3) calls the op and must fail, not hang:
+(``os._exit``) before it or in the middle of it, or stays away (sleeps past the
+timeout, then raises). Rank 0 (and rank 2 at world 3) calls the op and must fail,
+not hang, within the process group's timeout and a margin (timed on the rank):
 
 * in eager code its error names funcoll's op and the step that failed (the size
   exchange of a ragged op, or its data collective), and keeps the backend's
-  message and type;
+  message and type, with checks on (``set_checks(True)``, the suite's setting) and
+  off (the default users get);
 * no collective is left registered in c10d's work registry after the failure
   (what would make c10d warn of "unwaited collective calls" at exit);
-* inside a compiled step, under ``set_checks(True)`` (as every test here runs), the
-  graph's ``funcoll::wait`` names the op and the step as eager code does, in the
-  forward and in the backward; with checks off the backend's own error surfaces
-  from the step, within the same bound (docs/errors.md, "Faults").
+* inside a compiled step, under ``set_checks(True)``, the graph's ``funcoll::wait``
+  names the op and the step as eager code does, in the forward and in the
+  backward, whether rank 1 dies or stays away; with checks off the backend's own
+  error surfaces from the step, within the same bound (docs/errors.md, "Faults").
 
 The fault in the middle of an op is injected by a dispatch mode on rank 1 that
 lets the first `n` functional collectives of the op through and exits the process
 at the next one: the collectives themselves are real.
+
+Last, a short program (``tests/_at_exit.py``) runs under torchrun: public ops, eager
+and compiled, and funcoll's errors raised mid-op, after which its ranks exit normally
+and c10d must not warn of "unwaited collective calls".
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _torchrun import torchrun
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcoll
@@ -38,6 +46,8 @@ from funcoll.testing import RankError, run_ranks
 
 PG_TIMEOUT_S = 3.0  # the process group's timeout: what a rank that stays away costs
 BOUND_S = 40.0  # the whole run: start-up, the timeout, compile time and run_ranks' own grace
+# A survivor's op alone, timed on the rank: the process group's timeout at most, and a margin.
+SURVIVOR_MAX_S = PG_TIMEOUT_S + 5.0
 
 
 class _ExitAtCollective(TorchDispatchMode):
@@ -72,6 +82,31 @@ def _step(x: torch.Tensor) -> torch.Tensor:
     return funcoll.gather(x * 2) + 1
 
 
+def _prepare(rank: int, world: int, op: str) -> Callable[[], Any]:
+    """What every rank does before the fault; returns the call in which the fault must meet the survivor.
+
+    ``compiled:<backend>`` and ``compiled_backward:<backend>``: a compiled step that
+    gathers. Every rank first compiles its forward and backward with other lengths, so
+    the fault meets the survivor in the compiled step, not while it still compiles
+    (which can outlast run_ranks' grace on a busy machine). ``*backward``: every rank
+    runs the forward, and the call is the backward.
+    """
+    kind, _, backend = op.partition(":")
+    if kind.startswith("compiled"):
+        step = torch.compile(_step, fullgraph=True, backend=backend)
+        step(funcoll.mark_ragged(_ragged(world - rank).requires_grad_(), 0)).sum().backward()
+        dist.barrier()
+        x = funcoll.mark_ragged(_ragged(rank).requires_grad_(), 0)
+        if kind == "compiled":
+            return lambda: step(x)
+        y = step(x)
+        return lambda: y.sum().backward()
+    if kind == "backward":
+        y = funcoll.gather(_ragged(rank).requires_grad_())
+        return lambda: y.sum().backward()
+    return lambda: OPS[op](rank, world)
+
+
 class Survivor(RuntimeError):
     """What a healthy rank raises after its op failed: the failure's timing and what it left behind."""
 
@@ -79,6 +114,7 @@ class Survivor(RuntimeError):
 def _body(rank: int, world: int, op: str, fault: str, checks: bool) -> None:
     funcoll.set_checks(checks)
     dist.barrier()  # every rank connected: the fault strikes in the op, not in gloo's start-up
+    call = _prepare(rank, world, op)
     if rank == 1:
         if fault == "raises":
             raise ValueError("rank 1 fails before the op")
@@ -87,34 +123,6 @@ def _body(rank: int, world: int, op: str, fault: str, checks: bool) -> None:
         if fault == "stays_away":
             time.sleep(PG_TIMEOUT_S + 2.0)
             raise ValueError("rank 1 never called the op")
-    call: Callable[[], Any]
-    if op.startswith("compiled"):  # a compiled step that gathers
-        step = torch.compile(_step, fullgraph=True, backend=fault)
-        # Every rank compiles the forward and the backward first, with other lengths:
-        # the fault must meet the survivor in the compiled step, not while it still
-        # compiles (which can outlast run_ranks' grace on a busy machine).
-        warm = funcoll.mark_ragged(_ragged(world - rank).requires_grad_(), 0)
-        step(warm).sum().backward()
-        dist.barrier()
-        x = funcoll.mark_ragged(_ragged(rank).requires_grad_(), 0)
-        if op == "compiled":  # rank 1 dies before the step
-            if rank == 1:
-                os._exit(3)
-            call = lambda: step(x)  # noqa: E731
-        else:  # rank 1 dies between the compiled forward and its backward
-            y = step(x)
-            if rank == 1:
-                os._exit(3)
-            call = lambda: y.sum().backward()  # noqa: E731
-    elif op == "backward":  # rank 1 dies between the forward and the backward
-        x = _ragged(rank).requires_grad_()
-        y = funcoll.gather(x)
-        if rank == 1:
-            os._exit(3)
-        call = lambda: y.sum().backward()  # noqa: E731
-    else:
-        call = lambda: OPS[op](rank, world)  # noqa: E731
-    if rank == 1 and fault.startswith("exits_after_"):
         with _ExitAtCollective(int(fault.removeprefix("exits_after_"))):
             call()
         raise AssertionError("rank 1 should have exited in the op")
@@ -135,13 +143,19 @@ def _run(op: str, fault: str, world: int = 2, checks: bool = True) -> tuple[str,
 
 
 def _survivors(message: str, world: int) -> dict[int, str]:
-    """Each healthy rank's report (its traceback, the backend's error and funcoll's), by rank."""
+    """Each healthy rank's report (its traceback, the backend's error and funcoll's), by rank.
+
+    Each must have failed in its op within the process group's timeout and a margin
+    (measured on the rank, around the op alone), and left no collective registered.
+    """
     parts = re.split(r"^rank (\d+) of \d+ raised:$", message, flags=re.M)
     reports = {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
     healthy = [r for r in range(world) if r != 1]
     missing = [r for r in healthy if r not in reports or "Survivor: survivor after" not in reports[r]]
     assert not missing, f"ranks {missing} did not fail with their op's error:\n{message}"
     for r in healthy:
+        took = float(re.findall(r"Survivor: survivor after ([0-9.]+)s", reports[r])[0])
+        assert took < SURVIVOR_MAX_S, f"rank {r} failed after {took:.1f}s, beyond {SURVIVOR_MAX_S:.0f}s"
         assert "in flight 0" in reports[r], f"rank {r} left collectives registered:\n{reports[r]}"
     return {r: reports[r] for r in healthy}
 
@@ -152,32 +166,42 @@ def _funcoll_error(report: str) -> str:
     return found[0]
 
 
+CHECKED, UNCHECKED = True, False
 CASES = [
-    ("all_gather", "raises", "funcoll.all_gather: the all_gather in the cross-rank check on group"),
-    ("all_gather", "exits_after_1", "funcoll.all_gather: the all_gather on group"),
-    ("all_reduce", "exits_after_1", "funcoll.all_reduce: the all_reduce on group"),
-    ("gather", "exits", "funcoll.gather: the all_gather in the size exchange on group"),
-    ("gather", "stays_away", "funcoll.gather: the all_gather in the size exchange on group"),
-    ("gather", "exits_after_1", "funcoll.gather: the all_to_all on group"),
-    ("all_to_all_v", "exits_after_1", "funcoll.all_to_all_v: the all_to_all on group"),
-    ("gather_padded", "raises", "funcoll.gather_padded: the all_gather in the counts exchange on group"),
-    ("backward", "none", "funcoll.gather (backward): the all_to_all on group"),
-    # A compiled step (checks on, as here): rank 1 dies before it, or between its forward and backward.
-    ("compiled", "aot_eager", "funcoll.gather: the all_gather in the size exchange on group"),
-    ("compiled", "inductor", "funcoll.gather: the all_gather in the size exchange on group"),
-    ("compiled_backward", "inductor", "funcoll.gather (backward): the all_to_all on group"),
-]
+    ("all_gather", "raises", CHECKED, "funcoll.all_gather: the all_gather in the cross-rank check on group"),
+    ("all_gather", "exits_after_1", CHECKED, "funcoll.all_gather: the all_gather on group"),
+    ("all_reduce", "exits_after_1", CHECKED, "funcoll.all_reduce: the all_reduce on group"),
+    # An even op with checks off (the default): its one collective, a peer that stays away.
+    ("all_reduce", "stays_away", UNCHECKED, "funcoll.all_reduce: the all_reduce on group"),
+    ("gather", "exits", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
+    ("gather", "stays_away", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
+    ("gather", "exits_after_1", CHECKED, "funcoll.gather: the all_to_all on group"),
+    # A ragged op with checks off: its size exchange goes first all the same.
+    ("all_to_all_v", "exits_after_1", UNCHECKED, "funcoll.all_to_all_v: the all_to_all on group"),
+    ("gather_padded", "raises", CHECKED, "funcoll.gather_padded: the all_gather in the counts exchange on group"),
+    ("backward", "exits", CHECKED, "funcoll.gather (backward): the all_to_all on group"),
+    # A compiled step (checks on): rank 1 dies before it, raises and stays away, or dies
+    # between its forward and backward.
+    ("compiled:aot_eager", "stays_away", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
+    ("compiled:inductor", "exits", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
+    ("compiled_backward:inductor", "exits", CHECKED, "funcoll.gather (backward): the all_to_all on group"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("op", "fault", "names"), CASES, ids=[f"{o}-{f}" for o, f, _ in CASES])
-def test_op_fails_naming_funcoll_op(op: str, fault: str, names: str) -> None:
-    message, took = _run(op, fault)
+@pytest.mark.parametrize(
+    ("op", "fault", "checks", "names"),
+    CASES,
+    ids=[f"{o}-{f}" + ("" if c else "-unchecked") for o, f, c, _ in CASES],
+)
+def test_op_fails_naming_funcoll_op(op: str, fault: str, checks: bool, names: str) -> None:
+    message, took = _run(op, fault, checks=checks)
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     error = _funcoll_error(_survivors(message, 2)[0])
     assert error.startswith(names) and "The backend said: " in error, error
     if fault == "stays_away":
         assert "Timed out" in error, error
-    if fault.startswith("exits") or op.startswith("compiled"):
+        assert "ValueError: rank 1 never called the op" in message, message
+    if fault.startswith("exits"):
         assert "rank 1 of 2 died without a result (exit code " in message, message
 
 
@@ -189,9 +213,23 @@ def test_every_healthy_rank_fails_at_world_3() -> None:
 
 
 def test_compiled_step_fails_with_the_backends_error_unchecked() -> None:
-    message, took = _run("compiled", "aot_eager", checks=False)
+    message, took = _run("compiled:aot_eager", "exits", checks=False)
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     report = _survivors(message, 2)[0]
     assert "Connection" in report or "Timed out" in report, report
     assert not re.findall(r"^(?:RuntimeError|DistBackendError): funcoll\.", report, flags=re.M), report
     assert "rank 1 of 2 died without a result (exit code 3)" in message
+
+
+def test_no_unwaited_collective_at_exit() -> None:
+    """tests/_at_exit.py under torchrun: public ops, eager and compiled, and errors raised mid-op.
+
+    Its ranks exit as a program does (a forked ``run_ranks`` rank ends in ``os._exit``
+    and skips it), so c10d's exit check runs and would print "unwaited collective
+    calls" to stderr for any collective funcoll issued and never waited.
+    """
+    out, err = torchrun([str(Path(__file__).with_name("_at_exit.py"))], 2, timeout=BOUND_S * 3)
+    for r in range(2):
+        line = f"rank {r}: done, errors ['funcoll.gather', 'funcoll.gather_padded'], 0 in flight"
+        assert line in out, out
+    assert "unwaited" not in err, err[-3000:]

@@ -14,7 +14,8 @@ gradients of the global loss ``sum(Y * W)`` with a single-process computation of
 global function on the global inputs, plain tensors and DTensors alike.
 
 Axes: a 1-D mesh "i" of 2 and 4 ranks, and on 4 ranks a 2x2 mesh ("dp", "tp"): one
-axis, the other, and both as a tuple (the flattened sub-mesh). One ``run_ranks`` per
+axis, the other, and both as a tuple (the flattened sub-mesh). After every case no
+collective is left unwaited (``funcoll.testing.in_flight()``). One ``run_ranks`` per
 world size runs every case.
 """
 
@@ -35,6 +36,7 @@ from torch import Tensor
 import funcoll
 import funcoll.lax as lax
 from funcoll import P
+from funcoll.testing import in_flight
 
 WORLDS = (2, 4)
 TIMEOUT_S = 120.0
@@ -523,6 +525,7 @@ def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
         "placements": [[str(p) for p in o.placements] for o in outs],
         "local": [o.to_local().detach() for o in outs],
         "grads": [g.detach() for g in grads],
+        "in_flight": in_flight(),
     }
 
 
@@ -641,7 +644,11 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 y = call(case, x)
             if case.grad:
                 y.backward(seeded(tuple(y.shape), F64, case.id, "w", rank))
-            res[case.id] = {"y": y.detach(), "grad": None if x.grad is None else x.grad.clone()}
+            res[case.id] = {
+                "y": y.detach(),
+                "grad": None if x.grad is None else x.grad.clone(),
+                "in_flight": in_flight(),
+            }
         except Exception:  # noqa: BLE001 -- reported by the case's test
             res[case.id] = {"error": traceback.format_exc(limit=-6)}
     with lax.mesh(meshes["i"]):
@@ -684,7 +691,11 @@ def body(rank: int, world: int) -> dict[str, Any]:
             with lax.mesh(meshes["i"] if axis == "i" else meshes["dp_tp"]):
                 y = lax.ragged_all_to_all(**args, axis_name=axis)
             y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, index))
-            res[key] = {"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]}
+            res[key] = {
+                "y": y.detach(),
+                "grads": [args["operand"].grad, args["output"].grad],
+                "in_flight": in_flight(),
+            }
         except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc(limit=-6)}
     if world == 4:
@@ -728,6 +739,7 @@ def _snippet() -> ModuleType:
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
     got = res[key]
     assert "error" not in got, f"rank {rank}, {key}:\n{got['error']}"
+    assert got["in_flight"] == 0, f"rank {rank}, {key}: {got['in_flight']} collectives left unwaited"
     return got
 
 

@@ -12,7 +12,9 @@ each (source, destination) in token-major order are kept). The loss is
 ``x``, ``topk_weights`` and ``W`` are checked against autograd on the reference.
 ``recv``'s layout (expert-major, then source rank, then token order, padded to
 `align` with zero rows), ``counts``, ``offsets`` and ``dropped`` are checked
-exactly. All cases of one world size run in ONE ``run_ranks`` call.
+exactly, and no collective may be left unwaited (``funcoll.testing.in_flight()``)
+after a case, nor after static mode's checked capacity error. All cases of one
+world size run in ONE ``run_ranks`` call.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 WORLDS = (2, 3, 4)
 SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "moe_layer.py"
@@ -188,11 +190,12 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         "dx": grads[0],
         "dw": grads[1],
         "dW": grads[2],
+        "in_flight": in_flight(),
         **extra,
     }
 
 
-def run_errors(rank: int, world: int) -> dict[str, str]:
+def run_errors(rank: int, world: int) -> dict[str, Any]:
     """Errors that need a group of `world` ranks: every rank raises the same, before communicating."""
     got = {}
     x, idx = torch.zeros(2, 3), torch.zeros(2, 1, dtype=torch.int64)
@@ -211,6 +214,7 @@ def run_errors(rank: int, world: int) -> dict[str, str]:
         got["capacity"] = str(e)
     finally:
         funcoll.set_checks(False)
+    got["in_flight"] = in_flight()  # the capacity error came after the counts' exchange
     return got
 
 
@@ -393,6 +397,7 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         torch.testing.assert_close(
             got["dW"], ref["dW"][mine], msg=lambda m, where=where: f"{where} W.grad: {m}"
         )
+        assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited"
         if case.mode == "dropless":  # (replays, capacity, agreed need) after each of two steps
             assert case.capacity is not None
             torch.testing.assert_close(
@@ -422,6 +427,7 @@ def test_num_experts_must_divide(batches: Batches, world: int) -> None:
             errors
         )
         assert all(f"rank {r}: [{b}" in errors["capacity"] for r, b in enumerate(blocks)), errors
+        assert errors["in_flight"] == 0, f"{errors['in_flight']} collectives left unwaited after the errors"
 
 
 def test_docs_layer_matches_one_process(batches: Batches) -> None:

@@ -3,7 +3,7 @@
 Ranks that disagree on anything but the ragged length (the rest of the shape, ndim, dtype,
 dim, dst, strategy, which op they call, all_to_all_v send sizes that do not add up) must ALL
 raise a ValueError that names the op and shows each rank's value, instead of hanging or
-aborting in the backend. Every rank catches the exception inside the rank function and
+aborting in the backend, and leave no collective unwaited (``funcoll.testing.in_flight()``). Every rank catches the exception inside the rank function and
 returns (type name, message), so the parent checks every rank raised. Bad arguments must be
 refused locally, before any communication: only rank 0 makes those calls while the other
 ranks wait at the next collective, so a call that communicated first would desync the run.
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 import funcoll
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 WORLDS = (2, 3)
 TIMEOUT = 90.0
@@ -316,9 +316,10 @@ LOCALS: dict[str, Local] = {
 # --------------------------------------------------------------------------------- rank side
 def run_errors(rank: int, world: int) -> dict[str, Any]:
     odd = rank == world - 1
-    out: dict[str, Any] = {"mismatch": {}, "agree": {}, "local": {}}
+    out: dict[str, Any] = {"mismatch": {}, "in_flight": {}, "agree": {}, "local": {}}
     for name, m in MISMATCHES.items():
         out["mismatch"][name] = attempt(m.call, rank, world, odd)
+        out["in_flight"][name] = in_flight()  # the error came after the size exchange
     for name, call in AGREEMENTS.items():
         try:
             out["agree"][name] = call(rank, world, odd)
@@ -359,6 +360,8 @@ def test_mismatch_raises_on_every_rank(batches: Batches, world: int, name: str) 
         assert msg.startswith(f"funcoll.{op}:"), f"rank {rank}: {msg}"
         for fragment in m.fragments(world):
             assert fragment in msg, f"rank {rank}: {fragment!r} not in {msg!r}"
+        left = res["in_flight"][name]
+        assert left == 0, f"rank {rank}: {left} collectives left unwaited after the error"
 
 
 @pytest.mark.parametrize(

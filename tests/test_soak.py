@@ -3,27 +3,33 @@
 Each world size runs ONE ``run_ranks`` call of :func:`_cases.soak_rank`: the ranks draw the
 same random sequence of cases (any public op, the ragged ones included: ``gather`` with every
 strategy and with ``dst``, ``all_gather_list``, ``all_gather_ragged``, ``reduce_scatter`` with
-``sizes=``, ``all_to_all_v``, and the even, static, region and DTensor ops of
-``tests/test_properties.py``), sizes 0 included, random dims, dtypes and layouts. About a
-quarter go through a compiled step (``torch.compile(fullgraph=True)``, aot_eager here, the
+``sizes=``, ``all_to_all_v``, and the even, static, region, DTensor, ``funcoll.moe`` and
+``funcoll.lax`` ops of ``tests/test_properties.py``), sizes 0 included, random dims, dtypes
+and layouts. About a quarter go through a compiled step (``torch.compile(fullgraph=True)``, aot_eager here, the
 ragged dim marked with ``funcoll.mark_ragged``, float64 with gradients); each world compiles
 three of the eight steps of ``_cases.COMPILED``, so all eight compile somewhere and the
 compile time stays bounded.
 
 Every result and float64 gradient is checked on the rank against the single-process
-reference (computed there from every rank's input, never with funcoll). Each rank reads its
-RSS after the warm-up (every compiled step called twice) and at the end: growth must stay
-under 5%. Warnings are recorded on every rank: any that mentions funcoll, c10d, gloo or
-torch.distributed fails. ``benchmarks/soak.py --long`` is the long version.
+reference (computed there from every rank's input, never with funcoll), and no collective may
+be left unwaited after a case (``funcoll.testing.in_flight()``) nor at the end. Each rank reads
+its RSS after the warm-up (every compiled step called twice) and at the end: growth must stay
+under 5%. Warnings are recorded on every rank: any Python warning that mentions funcoll, c10d,
+gloo or torch.distributed fails, and so does any line the rank writes to its stderr (where
+C++ code warns). Each rank compiles at most one graph per compiled step (``_cases.graph_bound``:
+one more where a step's first call is empty on an inner marked dim, dynamo's documented
+case). The figures appear in pytest's "funcoll" section.
+``benchmarks/soak.py --long`` is the long version.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _cases import COMPILED, SOAK_OPS, SoakPlan, soak_rank
+from _cases import COMPILED, SOAK_OPS, SoakPlan, graph_bound, soak_rank
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -87,15 +93,33 @@ def test_soak_rss_growth(world: int) -> None:
 def test_soak_no_warnings(world: int) -> None:
     for r, res in enumerate(soak(world)):
         assert not res["warnings"], f"rank {r}: funcoll/c10d warnings:\n" + "\n".join(res["warnings"])
+        assert not res["stderr"], f"rank {r} wrote to stderr:\n" + "\n".join(res["stderr"][:20])
 
 
-def test_soak_covers_every_op() -> None:
-    """Every op was drawn (eager) somewhere, and every compiled step ran; the counts print with -s."""
+@pytest.mark.parametrize("world", WORLDS, ids=IDS)
+def test_soak_leaves_no_collective_in_flight(world: int) -> None:
+    for r, res in enumerate(soak(world)):
+        assert res["in_flight"] == 0, f"rank {r}: {res['in_flight']} collectives left unwaited at the end"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=IDS)
+def test_soak_compiles_one_graph_per_step(world: int, report: Callable[[str], None]) -> None:
+    graphs = [res["graphs"] for res in soak(world)]
+    bounds = [graph_bound(PLANS[world], r) for r in range(world)]
+    report(f"test_soak w{world}: graphs per rank {graphs} (bound {bounds}) for {len(PLANS[world].compiled)} "
+           f"compiled steps; RSS growth after warm-up "
+           + ", ".join(f"{100 * (res['rss_end'] / res['rss_start'] - 1):+.1f}%" for res in soak(world)))  # fmt: skip
+    for r, (n, bound) in enumerate(zip(graphs, bounds, strict=True)):
+        assert 0 < n <= bound, f"rank {r} compiled {n} graphs for {bound} (steps {PLANS[world].compiled})"
+
+
+def test_soak_covers_every_op(report: Callable[[str], None]) -> None:
+    """Every op was drawn (eager) somewhere, and every compiled step ran; the counts show in the report."""
     seen: dict[str, int] = {}
     for w in WORLDS:
         for op, n in soak(w)[0]["counts"].items():
             seen[op] = seen.get(op, 0) + n
-    print(f"\ntest_soak: {sum(seen.values())} collectives on worlds {WORLDS}: {dict(sorted(seen.items()))}")
+    report(f"test_soak: {sum(seen.values())} collectives on worlds {WORLDS}: {dict(sorted(seen.items()))}")
     assert set(SOAK_OPS) <= set(seen), f"never drawn: {sorted(set(SOAK_OPS) - set(seen))}"
     compiled = {f"{c.op}[compiled]" for c in COMPILED.values()}
     assert compiled <= set(seen), f"never compiled: {sorted(compiled - set(seen))}"

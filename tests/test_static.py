@@ -13,7 +13,8 @@ Both references are computed in the parent in one process. For float64 cases eve
 computes ``loss_r = (y_r * w_r).sum()`` and backpropagates; the reference gradient is
 torch.autograd of ``sum_r loss_r`` through the single-process reference (zero on padding
 rows). Every case of one world size runs in one ``run_ranks`` call; the error cases run
-in others, each rank recording what it raised.
+in others, each rank recording what it raised and that no collective was left unwaited
+(``funcoll.testing.in_flight()``), checked or not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from _inputs import once_per_world, seeded
 from torch import Tensor
 
 import funcoll
-from funcoll.testing import run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 120.0
@@ -245,7 +246,7 @@ def _disagreeing(rank: int, world: int, kind: str, checked: bool = True) -> str:
     try:
         funcoll.gather_padded(x, n)
     except (RuntimeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e} [in flight {in_flight()}]"
     return "no error"
 
 
@@ -281,6 +282,7 @@ def test_ranks_that_disagree_all_raise(world: int, kind: str, checked: bool) -> 
     want = CHECKED_GATHER[kind] if checked else UNCHECKED.format(op=GATHER, limit="x.shape[dim]")
     for rank, msg in enumerate(run_ranks(_disagreeing, world, kind, checked, timeout=TIMEOUT_S)):
         assert msg.startswith(want), (rank, msg, want)
+        assert msg.endswith("[in flight 0]"), f"rank {rank}: collectives left unwaited: {msg}"
 
 
 def test_all_to_all_padded_example_from_the_docstring() -> None:
@@ -354,7 +356,7 @@ def _a2a_disagreeing(rank: int, world: int, kind: str, checked: bool = True) -> 
     try:
         funcoll.all_to_all_padded(x, send)
     except (RuntimeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e} [in flight {in_flight()}]"
     return "no error"
 
 
@@ -374,3 +376,4 @@ def test_all_to_all_padded_ranks_that_disagree_all_raise(world: int, kind: str, 
         want = "ValueError: funcoll.all_to_all_padded: ranks disagree on `x` (rank 0: 2-d float32"
     for rank, msg in enumerate(run_ranks(_a2a_disagreeing, world, kind, checked, timeout=TIMEOUT_S)):
         assert msg.startswith(want), (rank, msg, want)
+        assert msg.endswith("[in flight 0]"), f"rank {rank}: collectives left unwaited: {msg}"

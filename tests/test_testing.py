@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -55,17 +56,24 @@ def test_a_failing_rank_is_reported_as_the_cause(how: str, fragment: str) -> Non
         assert "ValueError: bad batch on the last rank" in message, message
 
 
+HANG_TIMEOUT_S = 8.0
+
+
 def _hangs(rank: int, world: int) -> object:
     if rank == world - 1:
-        return None  # never joins the collective the others wait in
+        time.sleep(10 * HANG_TIMEOUT_S)  # never calls anything: run_ranks kills it first
     return funcoll.gather(torch.ones(rank + 1))
 
 
 def test_a_rank_that_never_calls_ends_in_a_timeout_error() -> None:
-    # The others wait in the size exchange until run_ranks' deadline; all are killed.
-    with pytest.raises((TimeoutError, RankError)) as info:
-        run_ranks(_hangs, 2, timeout=10.0)
-    assert "rank" in str(info.value)
+    # The others wait in the size exchange (the process group's timeout is far longer)
+    # and the last rank never calls: run_ranks' deadline ends the run, and kills all.
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_ranks(_hangs, 2, timeout=HANG_TIMEOUT_S, pg_timeout=10 * HANG_TIMEOUT_S)
+    took = time.monotonic() - start
+    assert str(info.value) == f"run_ranks: ranks [0, 1] did not finish within {HANG_TIMEOUT_S:.0f}s"
+    assert took < HANG_TIMEOUT_S + 5.0, f"the run took {took:.1f}s"
 
 
 def _raises(rank: int, world: int) -> None:
