@@ -190,8 +190,9 @@ def global_batch(cfg: Config, step: int) -> RankBatch:
 def shard_sizes(cfg: Config, step: int, world: int, total: int) -> list[int]:
     """How many of the `total` tokens each rank holds: random cuts, and every third step one rank holds 0."""
     gen = _generator(cfg, step, world, 1)
-    # A host read of a CPU tensor (no device sync): the batch's layout is drawn on the host.
-    cuts = sorted(torch.randint(0, total + 1, (world - 1,), generator=gen).tolist())
+    # The batch's layout is drawn on the host.
+    drawn = torch.randint(0, total + 1, (world - 1,), generator=gen)
+    cuts = sorted(drawn.tolist())  # a CPU tensor: no device sync
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
     if step % 3 == 2 and world > 1:  # a rank with no token at all
         empty = step % world

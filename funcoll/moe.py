@@ -206,8 +206,8 @@ class Dropless:
         if need is None:
             raise ValueError(f"{opname}: `fn` made no dispatch with mode=this policy: nothing to check")
         agreed = _even.all_reduce(need, group=self.group, op="max")
-        # Device-to-host sync, the one of a step: every rank learns whether any dispatch overflowed.
-        self.needed = int(agreed.item())
+        # Every rank learns whether any dispatch of any rank overflowed.
+        self.needed = int(agreed.item())  # device-to-host sync: the one of a step
         if self.needed <= self.capacity:
             return out
         del out  # the dropped forward's graph goes before the exact one is built
