@@ -143,10 +143,12 @@ def check_equal(a: IntLike, b: IntLike, traced: str, eager: Callable[[], str]) -
     Under dynamo a SymInt passes ``isinstance(., int)`` and fails
     ``isinstance(., SymInt)``, so in a compiled graph (or on SymInts) the check is
     asserted at run time; `traced` may hold only constants (dynamo refuses a
-    message closure over SymInts).
+    message closure over SymInts). The message is bound as a default argument, not
+    a closure: dynamo before torch 2.13 refuses any message function with a
+    closure (a graph break), and takes one whose defaults are constants.
     """
     if torch.compiler.is_compiling() or isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        torch._check(a == b, lambda: traced)
+        torch._check(a == b, lambda traced=traced: traced)
     elif a != b:
         raise ValueError(eager())
 

@@ -33,6 +33,7 @@ __all__ = [
     "gather",
     "gather_forward_split_backward",
     "heads_to_seq",
+    "list_all_to_all_route",
     "seq_to_heads",
 ]
 
@@ -51,11 +52,43 @@ def _head_counts(heads: int, world_size: int) -> list[int]:
     return [len(chunk) for chunk in torch.tensor_split(torch.arange(heads), world_size)]
 
 
+# Whether the backend runs ``dist.all_to_all`` of lists: gloo gained it after torch 2.11
+# (2.10 and 2.11 raise "Backend gloo does not support alltoall"). Learned on the first call.
+_LIST_ALL_TO_ALL: dict[str, bool] = {}
+
+
+def list_all_to_all_route(group: Any = None) -> str:
+    """How the seed-style ``_all_to_all`` moves its pieces on this backend (for the demo's summary)."""
+    backend = str(dist.get_backend(group))
+    if _LIST_ALL_TO_ALL.get(backend, True):
+        return "dist.all_to_all of lists"
+    return f"dist.all_to_all_single (torch {torch.__version__}'s {backend} lacks the list form)"
+
+
 def _all_to_all(input_: Tensor, world_size: int, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
-    """OpenSora's ``_all_to_all``: even pieces, ``dist.all_to_all`` of Python lists."""
+    """OpenSora's ``_all_to_all``: even pieces, ``dist.all_to_all`` of Python lists.
+
+    Where the backend has no list all_to_all (gloo before torch 2.12), the pieces travel
+    in one in-place ``dist.all_to_all_single`` of their stack instead: the same
+    exchange, one collective, and the same eager semantics. The backend refuses the
+    list form on every rank alike, before any communication, so every rank takes the
+    same route.
+    """
     input_list = [t.contiguous() for t in torch.tensor_split(input_, world_size, scatter_dim)]
     output_list = [torch.empty_like(input_list[0]) for _ in range(world_size)]
-    dist.all_to_all(output_list, input_list, group=group)  # in place, as the seeds do: the baseline
+    backend = str(dist.get_backend(group))
+    if _LIST_ALL_TO_ALL.get(backend, True):
+        try:
+            dist.all_to_all(output_list, input_list, group=group)  # in place, as the seeds do: the baseline
+            _LIST_ALL_TO_ALL[backend] = True
+        except RuntimeError as e:
+            if "does not support alltoall" not in str(e):
+                raise
+            _LIST_ALL_TO_ALL[backend] = False
+    if not _LIST_ALL_TO_ALL[backend]:
+        out = torch.empty((world_size, *input_list[0].shape), dtype=input_.dtype, device=input_.device)
+        dist.all_to_all_single(out, torch.stack(input_list), group=group)  # in place: the closest equivalent
+        output_list = list(out.unbind(0))
     return torch.cat(output_list, dim=gather_dim).contiguous()
 
 

@@ -125,6 +125,7 @@ class PhaseResult:
         graph_breaks: dynamo's graph-break count (compiled run only).
         compiles: frames compiled (compiled run only).
         unique_graphs: dynamo's ``unique_graphs`` counter (compiled run only).
+        route: how the seed-style all_to_all moved its pieces (seed-style run only).
     """
 
     losses: list[float] = field(default_factory=list)
@@ -137,6 +138,7 @@ class PhaseResult:
     graph_breaks: int | None = None
     compiles: int | None = None
     unique_graphs: int | None = None
+    route: str | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,10 @@ def token_losses(p: Params, batch: tuple[Tensor, Tensor, Tensor, Tensor], attend
 # ------------------------------------------------------------------------------- the steps
 def funcoll_loss(p: Params, tokens: Tensor, pos: Tensor, seg: Tensor, tgt: Tensor) -> Tensor:
     """The funcoll step's forward and loss (the function the compiled run compiles)."""
+    # The four inputs are one shard, each marked ragged on its own: say their lengths
+    # are one (dynamo before torch 2.13 cannot prove it where cross_entropy meets them).
+    for t in (pos, seg, tgt):
+        torch._check(t.shape[0] == tokens.shape[0])
     pieces = funcoll.all_gather_list(seg)  # every rank's document ids; the step's one size exchange
     sizes = [piece.shape[0] for piece in pieces]  # every rank's length (unbacked ints when compiled)
     seg_all = torch.cat(pieces)
@@ -453,6 +459,8 @@ def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> Pha
     result.comm_share, result.comm_calls = collective_share(prof, "demo_step", device.type)
     result.host_reads = reads / len(profiled)
     result.params = {k: v.detach().cpu() for k, v in params.items()}
+    if mode == "seed" and world > 1:
+        result.route = seeds.list_all_to_all_route()
     if counter is not None:
         result.compiles = counter.frame_count
         result.graph_breaks = sum(counters["graph_break"].values())

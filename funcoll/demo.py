@@ -255,6 +255,7 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
     compile_s = max(r["compiled"].step_times[0] for r in runs)
     coll = "NCCL kernels" if cfg.device == "cuda" else "gloo's spans"
     exchanges = 1 + train.LAYERS + 1  # the seed-style step: document ids, each block's attention, the loss
+    route = runs[0]["seed"].route or "no collective (one rank)"
     notes = [
         "max|dloss|, max|dparam|: the largest difference from the reference over every step's loss and "
         "the final parameters, every rank.",
@@ -265,8 +266,8 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
         f"{profiled.start}-{profiled.stop - 1}: the collectives the backend ran ({coll} in torch.profiler) "
         f"and the Tensor.item/tolist calls (funcoll.testing.count_host_reads). Seed-style: every call "
         f"exchanges sizes, {exchanges} all_gathers a step, each read back with one .item() per rank, and "
-        f"pads to the longest rank. funcoll: one size exchange a step (one host read), its sizes passed "
-        f"to every later op.",
+        f"pads to the longest rank; its all_to_all went by {route}. funcoll: one size exchange a step "
+        f"(one host read), its sizes passed to every later op.",
         f"step ms: wall time, median of steps {timed.start}-{timed.stop - 1} (after warm-up), slowest rank. "
         f"CPU ms: the rank's own thread's CPU time in the step (model, Python, copies). in coll: the share "
         f"of steps {profiled.start}-{profiled.stop - 1} in which a collective ran (mean over ranks).",
