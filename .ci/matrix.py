@@ -1,0 +1,291 @@
+"""The torch release matrix: funcoll's smoke run on every release it supports but the pinned one.
+
+    python .ci/matrix.py install           # one venv per release, made once and kept (in parallel)
+    python .ci/matrix.py run               # per release: the demo and the smoke tests; writes the results
+    python .ci/matrix.py record FILE.xml   # the pinned release's row, from the whole suite's junit report
+    python .ci/matrix.py render [--check]  # docs/support.md from the results (--check: fail if it differs)
+
+Each release lives in its own venv under ``$FUNCOLL_MATRIX_CACHE`` (default
+``~/.cache/funcoll-matrix``), made on first use and reused while its torch is the
+release asked for: the registry's builds of the releases other than the pinned
+2.13.0 are CUDA builds of several GB (they run on the CPU), so a venv is worth
+keeping between runs. funcoll goes into each as an editable install of this
+checkout, redone on every run. pip's machine-wide constraints cap torch at 2.14.1
+here; the 2.15 install runs with ``PIP_CONSTRAINT`` pointed at an empty file.
+
+The smoke run (:data:`SMOKE`) covers every public op eager and compiled: the
+compile cases of ``compile_tests/_ops.py`` on aot_eager and inductor, every group
+form, ``mark_ragged`` with one compile over changing lengths (and the ``min_size``
+fallback where ``mark_unbacked`` has no ``min``), DTensor in and out, ``funcoll.lax``
+and ``shard_map``, ``funcoll.moe``; then the demo. Each test lands in one column of
+the support table (:data:`AREAS`) by its file and name. The results go to
+``docs/results/matrix.json``; ``render`` writes the table into docs/support.md
+from them, so the page says what the matrix ran, never what someone typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results" / "matrix.json"
+PAGE = ROOT / "docs" / "support.md"
+CACHE = Path(os.environ.get("FUNCOLL_MATRIX_CACHE", Path.home() / ".cache" / "funcoll-matrix"))
+PINNED = "2.13.0"
+RELEASES = ("2.10.0", "2.11.0", "2.12.0", "2.14.1", "2.15.0")
+# Releases newer than the machine-wide pip cap (torch<=2.14.1) install without it.
+UNCAPPED = ("2.15.0",)
+# What each release's venv gets beside torch (funcoll's own requirements come with `-e .`).
+EXTRAS = ("pytest", "hypothesis")
+
+# The smoke run: whole files, so that the pinned release's row (read from the whole
+# suite's report) counts the same tests.
+SMOKE = (
+    "tests/test_even.py",
+    "tests/test_ragged.py",
+    "tests/test_region.py",
+    "tests/test_static.py",
+    "compile_tests/test_fullgraph.py",
+    "compile_tests/test_group_forms.py",
+    "compile_tests/test_recompiles.py",
+    "compile_tests/test_mark_ragged_min_size.py",
+    "tests/test_dtensor.py",
+    "compile_tests/test_dtensor_compile.py",
+    "tests/test_lax.py",
+    "compile_tests/test_lax_compile.py",
+    "tests/test_moe.py",
+    "compile_tests/test_moe_compile.py",
+)
+# Column -> (files, a pattern on the test's name that puts it there, or None for any).
+# The first column that takes a test has it; "inductor" comes first so that the
+# inductor tests of every file count there.
+AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "inductor": (
+        ("compile_tests/test_fullgraph.py", "compile_tests/test_group_forms.py",
+         "compile_tests/test_recompiles.py", "compile_tests/test_mark_ragged_min_size.py"),
+        r"inductor",
+    ),
+    "eager": (("tests/test_even.py", "tests/test_ragged.py", "tests/test_region.py", "tests/test_static.py"), None),
+    "compiled (aot_eager)": (
+        ("compile_tests/test_fullgraph.py", "compile_tests/test_group_forms.py",
+         "compile_tests/test_recompiles.py", "compile_tests/test_mark_ragged_min_size.py"),
+        None,
+    ),
+    "DTensor": (("tests/test_dtensor.py", "compile_tests/test_dtensor_compile.py"), None),
+    "lax / shard_map": (("tests/test_lax.py", "compile_tests/test_lax_compile.py"), None),
+    "moe": (("tests/test_moe.py", "compile_tests/test_moe_compile.py"), None),
+}  # fmt: skip
+
+
+def venv_python(release: str) -> Path:
+    return CACHE / f"torch-{release}" / "bin" / "python"
+
+
+def _pip_env(release: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if release in UNCAPPED:
+        empty = CACHE / "no-constraints.txt"
+        empty.write_text("")
+        env["PIP_CONSTRAINT"] = str(empty)
+    return env
+
+
+def _torch_version(python: Path) -> str | None:
+    if not python.exists():
+        return None
+    out = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    )
+    return out.stdout.strip().split("+")[0] if out.returncode == 0 else None
+
+
+def install(release: str) -> str:
+    """Make (or keep) the venv of `release`; return a line saying what was done."""
+    python = venv_python(release)
+    if _torch_version(python) == release:
+        return f"torch {release}: kept {python.parent.parent}"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(python.parent.parent)], check=True)
+    log = CACHE / f"install-{release}.log"
+    with log.open("w") as f:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", f"torch=={release}", *EXTRAS],
+            check=True, stdout=f, stderr=subprocess.STDOUT, env=_pip_env(release),
+        )  # fmt: skip
+    got = _torch_version(python)
+    if got != release:
+        raise SystemExit(f"matrix: the venv of torch {release} has torch {got} (see {log})")
+    return f"torch {release}: installed in {time.perf_counter() - start:.0f} s"
+
+
+def _classify(file: str, name: str) -> str | None:
+    for area, (files, pattern) in AREAS.items():
+        if file in files and (pattern is None or re.search(pattern, name)):
+            return area
+    return None
+
+
+def read_junit(path: Path) -> dict[str, dict[str, object]]:
+    """Per column: passed, failed, skipped counts and the first failures' ids, from a junit report."""
+    cells: dict[str, dict[str, object]] = {
+        a: {"passed": 0, "failed": 0, "skipped": 0, "failures": []} for a in AREAS
+    }
+    for case in ET.parse(path).iter("testcase"):
+        file = case.get("file") or case.get("classname", "").rsplit(".", 1)[0].replace(".", "/") + ".py"
+        name = case.get("name", "")
+        area = _classify(file, name)
+        if area is None:
+            continue
+        cell = cells[area]
+        if case.find("failure") is not None or case.find("error") is not None:
+            cell["failed"] += 1  # type: ignore[operator]
+            failures = cell["failures"]
+            assert isinstance(failures, list)
+            if len(failures) < 5:
+                failures.append(f"{file}::{name}")
+        elif case.find("skipped") is not None:
+            cell["skipped"] += 1  # type: ignore[operator]
+        else:
+            cell["passed"] += 1  # type: ignore[operator]
+    return cells
+
+
+def _load() -> dict[str, dict[str, object]]:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+
+
+def _save(results: dict[str, dict[str, object]]) -> None:
+    RESULTS.write_text(json.dumps(dict(sorted(results.items())), indent=1, sort_keys=True) + "\n")
+
+
+def run(release: str, junit_dir: Path) -> dict[str, object]:
+    """The demo and the smoke tests on `release`: its row of results."""
+    python = venv_python(release)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)],
+        check=True, env=_pip_env(release), stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    row: dict[str, object] = {"torch": _torch_version(python)}
+    start = time.perf_counter()
+    demo = subprocess.run(
+        [str(python), "-m", "funcoll.demo", "--world", "2"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    flat = " ".join(demo.stdout.split())  # the demo's notes are wrapped
+    ok_line = next((line for line in demo.stdout.splitlines() if line.startswith(("OK:", "MISMATCH"))), "")
+    row["demo"] = {
+        "ok": demo.returncode == 0,
+        "seconds": round(time.perf_counter() - start),
+        "route": next((m.group(1) for m in re.finditer(r"all_to_all went by (.+?)\. funcoll", flat)), None),
+        "line": ok_line,
+    }
+    if demo.returncode != 0:
+        tail = (demo.stdout + demo.stderr)[-3000:]
+        print(f"matrix: the demo failed on torch {release}:\n{tail}", flush=True)
+    junit = junit_dir / f"torch-{release}.xml"
+    start = time.perf_counter()
+    tests = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SMOKE],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    row["tests_seconds"] = round(time.perf_counter() - start)
+    summary = [line for line in tests.stdout.splitlines() if line.strip()][-1:] or [""]
+    print(f"matrix: torch {release}: {summary[0]} (demo {'ok' if demo.returncode == 0 else 'FAILED'})", flush=True)
+    if tests.returncode != 0:
+        print("\n".join(line for line in tests.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))))
+    row["cells"] = read_junit(junit) if junit.exists() else {}
+    row["tests_ok"] = tests.returncode == 0
+    return row
+
+
+def _mark(cell: dict[str, object]) -> str:
+    passed, failed = cell["passed"], cell["failed"]
+    if not passed and not failed:
+        return "-"
+    return f"{'yes' if not failed else 'NO'} ({passed}{f', {failed} failed' if failed else ''})"
+
+
+def render(results: dict[str, dict[str, object]]) -> str:
+    """The support table, from the results: one row per release."""
+    head = ["torch", *AREAS, "demo"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for release in sorted(results, key=lambda r: tuple(int(p) for p in r.split("."))):
+        row = results[release]
+        cells = row["cells"]
+        assert isinstance(cells, dict)
+        demo = row.get("demo")
+        demo_text = "-" if not isinstance(demo, dict) else "yes" if demo["ok"] else "NO"
+        name = f"{release} (pinned: whole suite)" if release == PINNED else release
+        lines.append("| " + " | ".join([name, *(_mark(cells[a]) for a in AREAS), demo_text]) + " |")
+    routes = sorted({(r, row["demo"]["route"]) for r, row in results.items()
+                     if isinstance(row.get("demo"), dict) and row["demo"]["route"]})  # type: ignore[index]  # fmt: skip
+    notes = [f"- torch {r}: the demo's seed-style all_to_all went by {route}." for r, route in routes
+             if not route.startswith("dist.all_to_all of lists")]  # fmt: skip
+    return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
+
+
+BEGIN, END = "<!-- matrix:begin (docs/results/matrix.json, by .ci/matrix.py render) -->", "<!-- matrix:end -->"
+
+
+def _page_with(table: str) -> str:
+    text = PAGE.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + table + text[stop:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("install", "run"):
+        p = sub.add_parser(name)
+        p.add_argument("--releases", nargs="*", default=list(RELEASES))
+    sub.choices["run"].add_argument("--junit-dir", type=Path, default=CACHE / "junit")
+    rec = sub.add_parser("record")
+    rec.add_argument("junit", type=Path)
+    rec.add_argument("--release", default=PINNED)
+    ren = sub.add_parser("render")
+    ren.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if args.cmd == "install":
+        with concurrent.futures.ThreadPoolExecutor(len(args.releases) or 1) as pool:
+            for line in pool.map(install, args.releases):
+                print(f"matrix: {line}", flush=True)
+        return 0
+    if args.cmd == "run":
+        args.junit_dir.mkdir(parents=True, exist_ok=True)
+        results, ok = _load(), True
+        for release in args.releases:
+            print(f"matrix: {install(release)}", flush=True)
+            row = run(release, args.junit_dir)
+            results[release] = row
+            ok &= bool(row["tests_ok"]) and bool(row["demo"]["ok"])  # type: ignore[index]
+        _save(results)
+        return 0 if ok else 1
+    if args.cmd == "record":
+        results = _load()
+        cells = read_junit(args.junit)
+        results[args.release] = {"torch": args.release, "cells": cells, "tests_ok": True}
+        _save(results)
+        return 0
+    table = render(_load())
+    if args.check:
+        if _page_with(table) != PAGE.read_text():
+            print(f"matrix: {PAGE.relative_to(ROOT)} does not show these results; the table they give:\n{table}")
+            return 1
+        return 0
+    PAGE.write_text(_page_with(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
