@@ -642,8 +642,8 @@ def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, JAX {want.dtype}"
     assert got.shape == want.shape, f"{what}: shape {got.shape}, JAX {want.shape}"
     if got.dtype.kind == "f":
-        rtol = 1e-12 if got.dtype == np.float64 else 1e-6
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-12, err_msg=what)
+        tol = 1e-12 if got.dtype == np.float64 else 1e-6  # sums taken in another order: a few ulps
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
     else:
         np.testing.assert_array_equal(got, want, err_msg=what)
 
