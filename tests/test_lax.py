@@ -16,7 +16,8 @@ global function on the global inputs, plain tensors and DTensors alike.
 Axes: a 1-D mesh "i" of 2 and 4 ranks, and on 4 ranks a 2x2 mesh ("dp", "tp"): one
 axis, the other, and both as a tuple (the flattened sub-mesh). After every case no
 collective is left unwaited (``funcoll.testing.in_flight()``). One ``run_ranks`` per
-world size runs every case.
+world size runs every case. tests/test_lax_jax.py runs the same kinds of programs in JAX
+itself and compares.
 """
 
 from __future__ import annotations
