@@ -148,8 +148,9 @@ class Axes(NamedTuple):
     tuple of axes in the tuple's order, the first name major; where the two orders
     differ, `order[c]` is the JAX index of the group's rank c and `ranks[j]` the
     group rank of JAX index j (both None where they agree). The collectives use
-    them to put blocks, permutation pairs and slices in JAX's order: static
-    permutations, fixed while tracing.
+    them to put blocks and slices in JAX's order: static permutations, fixed while
+    tracing. ``ppermute`` does not: JAX numbers its pairs in mesh order, the
+    group's own.
     """
 
     group: GroupLike  # None for an empty tuple: no axis

@@ -182,7 +182,7 @@ SPECS: tuple[OpSpec, ...] = (
     _op("set_checks", _CHECKS, "tests/test_checks.py", exchanges=False,
         compiled_in="compile_tests/test_checked_ops.py"),
     _op("checks_enabled", _CHECKS, "tests/test_checks.py", exchanges=False, compiled_in=None),
-    _op("shard_map", _JAX, "tests/test_lax.py", exchanges=False,  # issues what `f` issues
+    _op("shard_map", _JAX, "tests/test_lax.py", "tests/test_lax_jax.py", exchanges=False,  # issues what `f` issues
         compiled_in="compile_tests/test_lax_compile.py"),
 )  # fmt: skip
 _BY_NAME = {s.name: s for s in SPECS}

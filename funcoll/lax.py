@@ -7,8 +7,10 @@ group, canonicalises JAX's arguments into the op's, and calls it. A tuple of
 axis names is the group of the sub-mesh they span, in any order: indices along it
 are JAX's, the first name major (``axis_index(("tp", "dp"))`` is
 ``tp * dp_size + dp``). torch flattens sub-meshes in mesh order only, so where the
-tuple's order differs the ops permute blocks, pairs and slices between the two
-orders (static permutations, differentiable; reductions need none).
+tuple's order differs the ops permute blocks and slices between the two orders
+(static permutations, differentiable; reductions need none). ``ppermute`` and
+``pshuffle`` are the exception, as in JAX: their indices count the sub-mesh in mesh
+order whatever the tuple's order.
 The backward of each is the op's, which is JAX's transpose: ``psum`` to
 ``psum``, ``all_gather`` to ``psum_scatter``, ``all_to_all`` to the
 ``all_to_all`` with the axes swapped, ``ppermute`` to the inverse permutation.
@@ -155,8 +157,9 @@ def pmean(x: _T, axis_name: AxisName) -> _T:
         axis_name: a mesh axis name, or a tuple of them.
 
     Returns:
-        A new tensor of ``x.shape``: the mean (integer inputs give a float mean, as
-        JAX's true division does).
+        A new tensor of ``x.shape``: the mean. Integers give a float mean, as JAX's
+        true division does (x64 on): int64 a float64 one, narrower integers and
+        booleans (summed as int32) a float32 one. Floating dtypes are kept.
 
     Backward: ``psum`` of the gradient divided by the axis size.
 
@@ -169,7 +172,17 @@ def pmean(x: _T, axis_name: AxisName) -> _T:
     opname = "funcoll.lax.pmean"
     size = resolve_axes(opname, axis_name).size
     summed = _reduce(opname, x, axis_name, "sum", lambda n, _: n * size)
-    return _leaves(opname, summed, lambda v: v / size, lambda n: n / size)
+    return _leaves(opname, summed, lambda v: _inexact(v) / size, lambda n: n / size)
+
+
+def _inexact(v: Tensor) -> Tensor:
+    """`v` as JAX's true division promotes it (x64 on): 64-bit integers to float64, narrower ones to float32.
+
+    torch's ``int / int`` gives the default dtype whatever the width (float32: 2**24 + 1 is lost).
+    """
+    if v.is_floating_point() or v.is_complex():
+        return v
+    return v.to(torch.float64 if v.dtype.itemsize == 8 else torch.float32)
 
 
 def pmax(x: _T, axis_name: AxisName) -> _T:
@@ -372,7 +385,11 @@ def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
         x: this rank's tensor (or a pytree of them), the same shape on every rank.
         axis_name: a mesh axis name, or a tuple of them.
         perm: ``(source_index, destination_index)`` pairs of indices along the axis;
-            no index is a source twice or a destination twice.
+            no index is a source twice or a destination twice. Over a tuple of axes
+            the indices count the sub-mesh in MESH order, whatever the tuple's order,
+            as in JAX: on a ("dp", "tp") mesh, index ``dp * tp_size + tp`` along
+            ``("tp", "dp")`` too, where ``axis_index(("tp", "dp"))`` is
+            ``tp * dp_size + dp`` (docs/jax.md, difference 6).
 
     Returns:
         A new tensor of ``x.shape``: what the source paired with this rank sent, or
@@ -392,9 +409,9 @@ def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
     pairs = [tuple(p) for p in perm]
     if ax.group is None:
         return _leaves(opname, x, lambda v: v.clone() if (0, 0) in pairs else torch.zeros_like(v))
-    if ax.ranks is not None:  # JAX indices to the group's ranks; the op checks the pairs
-        ranks = ax.ranks
-        pairs = [tuple(ranks[i] if isinstance(i, int) and 0 <= i < ax.size else i for i in p) for p in pairs]
+    # The indices are the group's ranks as they are: JAX numbers a ppermute's pairs in mesh order
+    # whatever the tuple's order (its lowering sorts each replica group), so `ax.ranks` is not
+    # applied here. The op checks the pairs.
     return _leaves(opname, x, lambda v: _even.ppermute(v, pairs, group=ax.group))  # type: ignore[arg-type]
 
 
@@ -405,6 +422,8 @@ def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
         x: this rank's tensor (or a pytree of them), the same shape on every rank.
         axis_name: a mesh axis name, or a tuple of them.
         perm: a permutation of ``range(axis_size)``: the source of each index.
+            Over a tuple of axes, indices count the sub-mesh in mesh order, as
+            ``ppermute``'s do (and JAX's).
 
     Returns:
         A new tensor of ``x.shape``: rank ``perm[rank]``'s `x`.

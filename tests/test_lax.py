@@ -16,7 +16,8 @@ global function on the global inputs, plain tensors and DTensors alike.
 Axes: a 1-D mesh "i" of 2 and 4 ranks, and on 4 ranks a 2x2 mesh ("dp", "tp"): one
 axis, the other, and both as a tuple (the flattened sub-mesh). After every case no
 collective is left unwaited (``funcoll.testing.in_flight()``). One ``run_ranks`` per
-world size runs every case.
+world size runs every case. tests/test_lax_jax.py runs the same kinds of programs in JAX
+itself and compares.
 """
 
 from __future__ import annotations
@@ -677,8 +678,19 @@ def body(rank: int, world: int) -> dict[str, Any]:
             res["scalars"]["pmax-backward"] = "nothing raised"
         except Exception as e:  # noqa: BLE001
             res["scalars"]["pmax-backward"] = f"{type(e).__name__}: {e}"
+    with lax.mesh(meshes["i"]):  # JAX's dtypes (x64 on): 64-bit integers average to float64
+        big = 2**24 + 1  # not a float32
+        res["scalars"]["pmean-dtypes"] = {
+            str(dt): lax.pmean(torch.full((2,), big if dt == torch.int64 else 3, dtype=dt), "i")
+            for dt in (torch.int64, torch.int32, torch.int8, torch.uint8, torch.float16)  # gloo has no int16
+        }
+        res["scalars"]["pmean-dtypes"]["bool"] = lax.pmean(torch.tensor([True, rank == 0]), "i")
     if world == 4:
         with lax.mesh(meshes["dp_tp"]):
+            # JAX numbers ppermute's pairs in mesh order over ("tp", "dp"), axis_index in the tuple's
+            x = torch.tensor([float(rank + 1)])  # position dp * 2 + tp holds its position + 1
+            res["scalars"]["ppermute-tp_dp-0-1"] = lax.ppermute(x, ("tp", "dp"), [(0, 1)])
+            res["scalars"]["pshuffle-tp_dp-rotate"] = lax.pshuffle(x, ("tp", "dp"), [1, 2, 3, 0])
             res["scalars"]["axis_index-dp_tp"] = lax.axis_index(("dp", "tp"))
             res["scalars"]["axis_index-tp_dp"] = lax.axis_index(("tp", "dp"))
             res["scalars"]["axis_size-dp_tp"] = lax.axis_size(("dp", "tp"))
@@ -755,6 +767,8 @@ def test_lax_op_matches_single_process_reference(world: int, case: Case) -> None
     ys = []
     for r in range(world):
         group = members(r, world, case.mesh, case.axis)
+        if case.op in ("ppermute", "pshuffle"):  # JAX numbers their pairs in mesh (rank) order
+            group = sorted(group)
         ys.append(reference(case, [xs[m] for m in group], group.index(r)))
     for r in range(world):
         got = _ok(results[r], r, case.id)
@@ -789,7 +803,15 @@ def test_scalars_pytrees_and_indices_follow_jax(world: int) -> None:
             s["pmax-backward"].startswith("NotImplementedError")
             and "no gradient for op='max'" in s["pmax-backward"]
         )
+        for name, mean in s["pmean-dtypes"].items():  # what jax.lax.pmean gives with x64 on
+            want = {"torch.int64": torch.float64, "torch.float16": torch.float16}.get(name, torch.float32)
+            assert mean.dtype == want, (name, mean.dtype)
+            value = {"torch.int64": 2**24 + 1, "bool": [1.0, 1 / world]}.get(name, 3)
+            assert mean.tolist() == (value if isinstance(value, list) else [value] * 2), (name, mean)
         if world == 4:  # row-major over the named axes, whatever their order (JAX's axis_index of a tuple)
+            # the values jax 0.10.2 gives on a 2x2 mesh: ppermute's pairs count in mesh order
+            assert s["ppermute-tp_dp-0-1"].tolist() == [[0.0], [1.0], [0.0], [0.0]][r]
+            assert s["pshuffle-tp_dp-rotate"].tolist() == [[2.0], [3.0], [4.0], [1.0]][r]
             dp, tp = divmod(r, 2)
             assert s["axis_index-dp_tp"] == dp * 2 + tp
             assert s["axis_index-tp_dp"] == tp * 2 + dp
