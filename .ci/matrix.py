@@ -199,7 +199,10 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
     )  # fmt: skip
     row["tests_seconds"] = round(time.perf_counter() - start)
     summary = [line for line in tests.stdout.splitlines() if line.strip()][-1:] or [""]
-    print(f"matrix: torch {release}: {summary[0]} (demo {'ok' if demo.returncode == 0 else 'FAILED'})", flush=True)
+    print(
+        f"matrix: torch {release}: {summary[0]} (demo {'ok' if demo.returncode == 0 else 'FAILED'})",
+        flush=True,
+    )
     if tests.returncode != 0:
         print("\n".join(line for line in tests.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))))
     row["cells"] = read_junit(junit) if junit.exists() else {}
@@ -233,7 +236,10 @@ def render(results: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 
 
-BEGIN, END = "<!-- matrix:begin (docs/results/matrix.json, by .ci/matrix.py render) -->", "<!-- matrix:end -->"
+BEGIN, END = (
+    "<!-- matrix:begin (docs/results/matrix.json, by .ci/matrix.py render) -->",
+    "<!-- matrix:end -->",
+)
 
 
 def _page_with(table: str) -> str:
@@ -280,7 +286,9 @@ def main() -> int:
     table = render(_load())
     if args.check:
         if _page_with(table) != PAGE.read_text():
-            print(f"matrix: {PAGE.relative_to(ROOT)} does not show these results; the table they give:\n{table}")
+            print(
+                f"matrix: {PAGE.relative_to(ROOT)} does not show these results; the table they give:\n{table}"
+            )
             return 1
         return 0
     PAGE.write_text(_page_with(table))

@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -53,6 +52,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._checks import IntLike, check_dim, check_equal
 from ._group import GroupLike, resolve_group
+from ._sym import max_of, min_of
 
 __all__ = ["MeshAxis", "chunk_sizes", "dtensor_input", "is_dtensor", "moves", "refuse_dtensor"]
 
@@ -69,12 +69,12 @@ def chunk_sizes(n: IntLike, world: int) -> list[IntLike]:
     Example: ``chunk_sizes(7, 4) == [2, 2, 2, 1]``, ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
     """
     step = (n + world - 1) // world
-    return [torch.sym_min(torch.sym_max(n - i * step, 0), step) for i in range(world)]
+    return [min_of(max_of(n - i * step, 0), step) for i in range(world)]
 
 
 def _overlap(a0: IntLike, a1: IntLike, b0: IntLike, b1: IntLike) -> IntLike:
     """The length of ``[a0, a1) & [b0, b1)``."""
-    return torch.sym_max(torch.sym_min(a1, b1) - torch.sym_max(a0, b0), 0)
+    return max_of(min_of(a1, b1) - max_of(a0, b0), 0)
 
 
 def _offsets(sizes: Sequence[IntLike]) -> list[IntLike]:

@@ -28,12 +28,12 @@ that carry the strategies out are ``_prims.gather_rows`` and
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from ._checks import IntLike
+from ._sym import max_of, min_of
 
 STRATEGIES = ("auto", "pad", "a2a", "shift")  # a header carries the index: append only
 
@@ -62,11 +62,11 @@ def common_rows(sizes: Sequence[IntLike], smallest: IntLike | None) -> IntLike:
 
 
 def sym_min(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_min, sizes)
+    return min_of(*sizes)
 
 
 def sym_max(sizes: Sequence[IntLike]) -> IntLike:
-    return functools.reduce(torch.sym_max, sizes)
+    return max_of(*sizes)
 
 
 def all_equal(sizes: Sequence[IntLike]) -> bool:
