@@ -54,6 +54,9 @@ SMOKE = (
     "tests/test_ragged.py",
     "tests/test_region.py",
     "tests/test_static.py",
+    "tests/test_all_to_all_sizes.py",
+    "tests/test_compat_even.py",
+    "tests/test_compat_ragged.py",
     "compile_tests/test_fullgraph.py",
     "compile_tests/test_group_forms.py",
     "compile_tests/test_recompiles.py",
@@ -74,7 +77,11 @@ AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
          "compile_tests/test_recompiles.py", "compile_tests/test_mark_ragged_min_size.py"),
         r"inductor",
     ),
-    "eager": (("tests/test_even.py", "tests/test_ragged.py", "tests/test_region.py", "tests/test_static.py"), None),
+    "eager": (
+        ("tests/test_even.py", "tests/test_ragged.py", "tests/test_region.py", "tests/test_static.py",
+         "tests/test_all_to_all_sizes.py", "tests/test_compat_even.py", "tests/test_compat_ragged.py"),
+        None,
+    ),
     "compiled (aot_eager)": (
         ("compile_tests/test_fullgraph.py", "compile_tests/test_group_forms.py",
          "compile_tests/test_recompiles.py", "compile_tests/test_mark_ragged_min_size.py"),
@@ -175,6 +182,8 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
         check=True, env=_pip_env(release), stdout=subprocess.DEVNULL,
     )  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # The compile tests: every case, fewer variants (compile_tests/_ops.py, SMOKE).
+    tests_env = dict(env, FUNCOLL_SMOKE="1")
     row: dict[str, object] = {"torch": _torch_version(python)}
     start = time.perf_counter()
     demo = subprocess.run(
@@ -191,20 +200,20 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
     if demo.returncode != 0:
         tail = (demo.stdout + demo.stderr)[-3000:]
         print(f"matrix: the demo failed on torch {release}:\n{tail}", flush=True)
-    junit = junit_dir / f"torch-{release}.xml"
+    junit, log = junit_dir / f"torch-{release}.xml", junit_dir / f"torch-{release}.log"
     start = time.perf_counter()
-    tests = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SMOKE],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    with log.open("w") as f:  # the report as it goes: `tail -f` it to follow a release
+        tests = subprocess.run(
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SMOKE],
+            cwd=ROOT, env=tests_env, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     row["tests_seconds"] = round(time.perf_counter() - start)
-    summary = [line for line in tests.stdout.splitlines() if line.strip()][-1:] or [""]
-    print(
-        f"matrix: torch {release}: {summary[0]} (demo {'ok' if demo.returncode == 0 else 'FAILED'})",
-        flush=True,
-    )
+    report = log.read_text().splitlines()
+    summary = [line for line in report if line.strip()][-1:] or [""]
+    demo_word = "ok" if demo.returncode == 0 else "FAILED"
+    print(f"matrix: torch {release}: {summary[0]} (demo {demo_word})", flush=True)
     if tests.returncode != 0:
-        print("\n".join(line for line in tests.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))))
+        print("\n".join(line for line in report if line.startswith(("FAILED", "ERROR"))), flush=True)
     row["cells"] = read_junit(junit) if junit.exists() else {}
     row["tests_ok"] = tests.returncode == 0
     return row

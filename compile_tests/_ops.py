@@ -68,6 +68,8 @@ __all__ = [
     "EXPECTED_AT_2",
     "KNOWN_BUGS",
     "RS",
+    "SMOKE",
+    "SMOKE_GROUP_CASES",
     "STOPPED",
     "WAIT",
     "OpCase",
@@ -757,6 +759,18 @@ assert len(CASES_BY_ID) == len(CASES), "case ids must be unique"
 # xfail(strict=True) and run it on real ranks in a run_ranks call of its own (a rank
 # that fails alone can leave the others waiting in a collective until the timeout);
 # delete the entry once the bug is fixed.
+# The release matrix (.ci/matrix.py) sets FUNCOLL_SMOKE=1: the compile test files keep
+# every case and every group form but compile fewer variants of each, so that one
+# torch release's smoke run takes minutes (test_fullgraph: 2 ranks, dynamic=None, no
+# explain, inductor at dynamic=None; test_group_forms: SMOKE_GROUP_CASES under every form).
+SMOKE = os.environ.get("FUNCOLL_SMOKE") == "1"
+# An even collective, a ragged one (size header, host read, data collective) and an
+# uneven all_to_all: the three ways a group reaches a collective's arguments.
+SMOKE_GROUP_CASES = (
+    "all_gather-x3x5-dim0",
+    "gather-auto-ragged-x_nx5-dim0",
+    "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2",
+)
 KNOWN_BUGS: dict[str, str] = {}  # case id -> reason, for open funcoll bugs (none now)
 
 

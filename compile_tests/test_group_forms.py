@@ -33,6 +33,8 @@ from _ops import (
     CASES,
     CASES_BY_ID,
     COLLECTIVE_PREFIX,
+    SMOKE,
+    SMOKE_GROUP_CASES,
     STOPPED,
     WAIT,
     OpCase,
@@ -63,7 +65,9 @@ INDUCTOR_CASE = "gather-auto-ragged-x_nx5-dim0"
 
 
 def _cases(size: int) -> list[OpCase]:
-    return [c for c in CASES if c.takes_group and size >= c.min_world]
+    return [
+        c for c in CASES if c.takes_group and size >= c.min_world and (not SMOKE or c.id in SMOKE_GROUP_CASES)
+    ]
 
 
 # ------------------------------------------------------------------------- rank side
