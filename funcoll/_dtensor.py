@@ -54,7 +54,15 @@ from ._checks import IntLike, check_dim, check_equal
 from ._group import GroupLike, resolve_group
 from ._sym import max_of, min_of
 
-__all__ = ["MeshAxis", "chunk_sizes", "dtensor_input", "is_dtensor", "moves", "refuse_dtensor"]
+__all__ = [
+    "MeshAxis",
+    "chunk_sizes",
+    "dtensor_input",
+    "is_dtensor",
+    "is_placement",
+    "moves",
+    "refuse_dtensor",
+]
 
 
 def is_dtensor(x: object) -> bool:
@@ -107,13 +115,23 @@ def contiguous_strides(shape: Sequence[IntLike]) -> tuple[IntLike, ...]:
     return tuple(reversed(strides))
 
 
+def is_placement(p: object, cls: type[Placement]) -> bool:
+    """`p` is a `cls` itself, not a subclass of it (``_StridedShard`` is a ``Shard`` funcoll does not take).
+
+    By the class's name, not ``type(p) is cls``: dynamo before torch 2.13 gives a
+    placement made inside the compiled region a type that is not `cls` (on 2.10 to 2.12,
+    ``type(Shard(1)) is Shard`` is False there, and its name is still "Shard").
+    """
+    return isinstance(p, cls) and type(p).__name__ == cls.__name__
+
+
 def show(p: Placement) -> str:
     """A placement as users write it: ``Shard(1)``, ``Partial('sum')``, ``Replicate()``."""
-    if type(p) is Shard:
+    if is_placement(p, Shard):
         return f"Shard({p.dim})"
-    if type(p) is Partial:
+    if is_placement(p, Partial):
         return f"Partial({p.reduce_op!r})"
-    if type(p) is Replicate:
+    if is_placement(p, Replicate):
         return "Replicate()"
     return repr(p)
 
@@ -161,7 +179,7 @@ class MeshAxis:
 
     def expect_shard(self, dim: int, arg: str = "dim") -> None:
         """`x` is ``Shard(dim)`` here, and no other mesh dim shards that tensor dim."""
-        if not (type(self.placement) is Shard and self.placement.dim == dim):
+        if not (is_placement(self.placement, Shard) and self.placement.dim == dim):
             raise self.refuse(f"Shard({dim}) (`{arg}`={dim})")
         self.expect_unsharded_elsewhere(dim, arg)
 
@@ -175,12 +193,12 @@ class MeshAxis:
                 )
 
     def expect(self, placement: Placement, wants: str) -> None:
-        if self.placement != placement or type(self.placement) is not type(placement):
+        if self.placement != placement or not is_placement(self.placement, type(placement)):
             raise self.refuse(wants)
 
     def expect_partial(self, reduce_op: str) -> None:
         p = self.placement
-        if type(p) is not Partial:
+        if not is_placement(p, Partial):
             raise self.refuse(f"Partial({reduce_op!r}) (`op`={reduce_op!r})")
         if p.reduce_op != reduce_op:
             raise ValueError(

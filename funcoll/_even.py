@@ -23,7 +23,7 @@ from ._checks import (
     fresh,
     tensor_split_sizes,
 )
-from ._dtensor import dtensor_input, refuse_dtensor
+from ._dtensor import dtensor_input, is_placement, refuse_dtensor
 from ._faults import public_op
 from ._group import GroupLike, resolve_group
 from ._header import check_agreement
@@ -498,7 +498,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     ax = dtensor_input(opname, x, group)
     if ax is not None:  # Shard(d) -> Shard(d): whole shards move, so they must be equal
         p = ax.placement
-        if type(p) is not Shard:
+        if not is_placement(p, Shard):
             raise ax.refuse("Shard(d) with equal shards (ppermute moves whole shards between ranks)")
         ax.expect_unsharded_elsewhere(p.dim, "the Shard dim")
         n = ax.x.shape[p.dim]

@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import _prims
 from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
-from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, moves, show
+from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, is_placement, moves, show
 from ._faults import public_op
 from ._group import Group, mesh_dim_index, resolve_group
 from ._header import check_agreement, exchange, host_sizes
@@ -81,7 +81,7 @@ def _placements(
     out = list(placements)
     if len(out) != mesh.ndim:
         raise ValueError(f"{opname}: `placements` has {len(out)} entries for a {mesh.ndim}-D mesh")
-    if not (type(out[m]) is Shard and out[m].dim == dim):
+    if not (is_placement(out[m], Shard) and out[m].dim == dim):
         raise ValueError(
             f"{opname}: `placements`[{m}] is {show(out[m])}, but the ragged pieces become Shard({dim}) on "
             f"mesh dim {m} (`dim`={dim})"
@@ -219,7 +219,7 @@ def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | No
     if ax is None:
         raise TypeError(f"{opname}: `x` must be a DTensor (from funcoll.from_ragged or any sharded op)")
     p = ax.placement
-    if type(p) is not Shard:
+    if not is_placement(p, Shard):
         raise ax.refuse("Shard(d), the dim whose rows are handed out")
     d = p.dim
     ax.expect_unsharded_elsewhere(d, "the Shard dim")

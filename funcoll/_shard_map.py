@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._dtensor import contiguous_strides
+from ._dtensor import contiguous_strides, is_placement
 from ._group import GroupLike
 
 __all__ = [
@@ -174,12 +174,7 @@ def resolve_axes(opname: str, axis_name: AxisName) -> Axes:
     if len(names) == 1:
         return Axes((m, names[0]), size)
     in_mesh_order = tuple(n for n in (m.mesh_dim_names or ()) if n in names)
-    # DeviceMesh._flatten, in two steps that also trace: dynamo runs _create_flatten_mesh on the
-    # real mesh while tracing (it creates the group once, on every rank, as eager code does;
-    # then it is cached in the root mesh), and get_group finds the flattened dim by its name.
-    flat = "_".join(in_mesh_order)
-    m[in_mesh_order]._create_flatten_mesh(flat)
-    group = m.get_group(flat)
+    group = _flattened_group_name(m, in_mesh_order)
     if in_mesh_order == names:
         return Axes(group, size)
     order = _tuple_order(m, in_mesh_order, names)
@@ -187,6 +182,22 @@ def resolve_axes(opname: str, axis_name: AxisName) -> Axes:
     for c, j in enumerate(order):
         ranks[j] = c
     return Axes(group, size, order, tuple(ranks))
+
+
+@torch._dynamo.assume_constant_result
+def _flattened_group_name(device_mesh: DeviceMesh, in_mesh_order: tuple[str, ...]) -> str:
+    """The c10d name of the group over the mesh dims `in_mesh_order`, flattened into one.
+
+    DeviceMesh's flattening, which creates the group once, on every rank, and caches
+    it in the root mesh. Dynamo before torch 2.12 cannot trace it (it refuses
+    ``DeviceMesh._create_flatten_mesh``), so while tracing it runs as it is, on the
+    real mesh, and its result, a string, is a constant of the graph; eager code
+    calls it directly. Every rank flattens the same dims in the same order, as
+    DeviceMesh requires.
+    """
+    flat = "_".join(in_mesh_order)
+    device_mesh[in_mesh_order]._create_flatten_mesh(flat)
+    return device_mesh.get_group(flat).group_name
 
 
 def _tuple_order(
@@ -300,7 +311,7 @@ def _to_local(opname: str, x: Tensor, spec: P, device_mesh: DeviceMesh) -> Tenso
         x = x.redistribute(device_mesh, placements)
     # An input replicated over an axis gets the sum of its replicas' local gradients (JAX's
     # shard_map transpose psums it there): Partial("sum") says so, and DTensor reduces it.
-    grads = [Partial("sum") if type(p) is Replicate else p for p in placements]
+    grads = [Partial("sum") if is_placement(p, Replicate) else p for p in placements]
     return x.to_local(grad_placements=grads)
 
 
