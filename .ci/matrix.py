@@ -278,13 +278,12 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         args.junit_dir.mkdir(parents=True, exist_ok=True)
-        results, ok = _load(), True
+        ok = True
         for release in args.releases:
             print(f"matrix: {install(release)}", flush=True)
             row = run(release, args.junit_dir)
-            results[release] = row
+            _save({**_load(), release: row})  # read again: another release's run may have written since
             ok &= bool(row["tests_ok"]) and bool(row["demo"]["ok"])  # type: ignore[index]
-        _save(results)
         return 0 if ok else 1
     if args.cmd == "record":
         results = _load()

@@ -274,7 +274,10 @@ def test_inductor_code_calls_each_collective_and_waits(case: OpCase, dynamic: bo
     want_fw, want_bw = EXPECTED_AT_2[case.id]
     for rank, modules in enumerate(_inductor_code(case, dynamic)):
         wants = [want_fw] if want_bw is None else [want_fw, want_bw]
-        assert len(modules) == len(wants), f"rank {rank}: {len(modules)} generated modules"
+        # A backward with no collective may need no generated module (inductor 2.15 writes none
+        # for axis_index's): every module the case needs must be there, and no other.
+        needed = len(wants) if wants[-1] else len(wants) - 1
+        assert needed <= len(modules) <= len(wants), f"rank {rank}: {len(modules)} generated modules"
         for kind, code, want in zip(("forward", "backward"), modules, wants, strict=False):
             counts = _code_collectives(code)
             waits = counts.pop(WAIT, 0)

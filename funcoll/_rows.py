@@ -93,13 +93,13 @@ def pack_reference(
     zeros: the padding rows are copied from it, in the same pass, instead of
     filled after it (their gradient goes to that row).
     """
+    if exact:
+        return blocks.index_select(0, _sources(sizes, bound, n_out, blocks.device))
     ends = torch.cumsum(sizes, 0)
     starts = ends - sizes
     k = torch.arange(n_out, device=blocks.device)
     owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
     src = owner * bound + (k - starts[owner])
-    if exact:
-        return blocks.index_select(0, src)
     valid = k < ends[-1]
     if zero_row is not None:
         return blocks.index_select(0, torch.where(valid, src, zero_row))
@@ -120,13 +120,50 @@ def pack(
     return pack_reference(blocks, sizes, bound, n_out, exact=exact, zero_row=zero_row)
 
 
+def _sources(sizes: Tensor, bound: IntLike, n_out: IntLike, device: torch.device) -> Tensor:
+    """The row of the blocks that each of the `n_out` packed rows comes from (all data: ``exact``)."""
+    ends = torch.cumsum(sizes, 0)
+    k = torch.arange(n_out, device=device)
+    owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
+    return owner * bound + (k - (ends - sizes)[owner])
+
+
+class _Cut(torch.autograd.Function):
+    """The exact pack in a compiled graph, whose backward reads the block length off a saved tensor.
+
+    Autograd's own backward of the pack (an index_add into zeros of the blocks'
+    shape) keeps ``world * bound`` as a size saved from the forward; inductor 2.15
+    then generates a backward that allocates ``(world * u, ...)`` without defining
+    the unbacked ``u`` (a NameError when it runs). Here the backward takes the
+    bound from the shape of an empty ``(bound, 0)`` tensor saved for it, an input
+    of the backward graph whose size inductor binds. The same values either way.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike) -> Tensor:
+        ctx.save_for_backward(sizes, blocks.new_empty((bound, 0)))
+        return pack_reference(blocks, sizes, bound, n_out, exact=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        sizes, marker = ctx.saved_tensors
+        bound = marker.shape[0]
+        src = _sources(sizes, bound, grad.shape[0], grad.device)
+        blocks = grad.new_zeros((sizes.numel() * bound, *grad.shape[1:]))
+        return blocks.index_copy(0, src, grad), None, None, None
+
+
 def cut_padding(blocks: Tensor, sizes: list[IntLike], longest: IntLike, total: IntLike) -> Tensor:
     """Rows ``[i * longest, i * longest + sizes[i])`` of `blocks` for every rank i, in order.
 
     The sizes are host ints (SymInts in a compiled graph), whose sum is `total`:
-    they go to the device as a tensor and :func:`pack` does the rest.
+    they go to the device as a tensor and :func:`pack` does the rest (:class:`_Cut`
+    in a compiled graph).
     """
-    return pack(blocks, ints_on(blocks.device, sizes), longest, total, exact=True)
+    on_device = ints_on(blocks.device, sizes)
+    if torch.compiler.is_compiling():
+        return _Cut.apply(blocks, on_device, longest, total)
+    return pack(blocks, on_device, longest, total, exact=True)
 
 
 def ints_on(device: torch.device, ints: Sequence[IntLike]) -> Tensor:
