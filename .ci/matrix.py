@@ -41,7 +41,7 @@ RESULTS = ROOT / "docs" / "results" / "matrix.json"
 PAGE = ROOT / "docs" / "support.md"
 CACHE = Path(os.environ.get("FUNCOLL_MATRIX_CACHE", Path.home() / ".cache" / "funcoll-matrix"))
 PINNED = "2.13.0"
-RELEASES = ("2.10.0", "2.11.0", "2.12.0", "2.14.1", "2.15.0")
+RELEASES = ("2.11.0", "2.12.0", "2.14.1", "2.15.0")
 # Releases newer than the machine-wide pip cap (torch<=2.14.1) install without it.
 UNCAPPED = ("2.15.0",)
 # What each release's venv gets beside torch (funcoll's own requirements come with `-e .`).
@@ -94,6 +94,9 @@ AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
 
 
 def venv_python(release: str) -> Path:
+    """The python of `release`'s venv; the pinned release's is this python (its whole suite runs in CI)."""
+    if release == PINNED:
+        return Path(sys.executable)
     return CACHE / f"torch-{release}" / "bin" / "python"
 
 
@@ -120,6 +123,8 @@ def install(release: str) -> str:
     python = venv_python(release)
     if _torch_version(python) == release:
         return f"torch {release}: kept {python.parent.parent}"
+    if release == PINNED:
+        raise SystemExit(f"matrix: this python has torch {_torch_version(python)}, not the pinned {PINNED}")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(python.parent.parent)], check=True)
     log = CACHE / f"install-{release}.log"
@@ -167,7 +172,9 @@ def read_junit(path: Path) -> dict[str, dict[str, object]]:
 
 
 def _load() -> dict[str, dict[str, object]]:
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    """The recorded rows of the releases funcoll names (a release dropped from the list drops out)."""
+    rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    return {r: row for r, row in rows.items() if r in (PINNED, *RELEASES)}
 
 
 def _save(results: dict[str, dict[str, object]]) -> None:
@@ -184,7 +191,7 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # The compile tests: every case, fewer variants (compile_tests/_ops.py, SMOKE).
     tests_env = dict(env, FUNCOLL_SMOKE="1")
-    row: dict[str, object] = {"torch": _torch_version(python)}
+    row: dict[str, object] = {"torch": _torch_version(python), "source": "smoke"}
     start = time.perf_counter()
     demo = subprocess.run(
         [str(python), "-m", "funcoll.demo", "--world", "2"], cwd=ROOT, env=env, capture_output=True, text=True
@@ -219,6 +226,21 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
     return row
 
 
+def statuses(text: str) -> dict[str, list[str]]:
+    """Each release's row of a support table, as the first word of each cell ("yes", "NO", "-").
+
+    What ``render --check`` compares: whether each column passed on each release.
+    The counts beside the words are the last recorded run's, and the pinned row
+    counts the whole suite in CI.
+    """
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and re.match(r"\d+\.\d+\.\d+", cells[0]):
+            rows[cells[0].split()[0]] = [c.split()[0] if c else "" for c in cells[1:]]
+    return rows
+
+
 def _mark(cell: dict[str, object]) -> str:
     passed, failed = cell["passed"], cell["failed"]
     if not passed and not failed:
@@ -236,7 +258,11 @@ def render(results: dict[str, dict[str, object]]) -> str:
         assert isinstance(cells, dict)
         demo = row.get("demo")
         demo_text = "-" if not isinstance(demo, dict) else "yes" if demo["ok"] else "NO"
-        name = f"{release} (pinned: whole suite)" if release == PINNED else release
+        name = (
+            f"{release} (pinned{': whole suite' if row.get('source') == 'whole suite' else ''})"
+            if release == PINNED
+            else release
+        )
         lines.append("| " + " | ".join([name, *(_mark(cells[a]) for a in AREAS), demo_text]) + " |")
     routes = sorted({(r, row["demo"]["route"]) for r, row in results.items()
                      if isinstance(row.get("demo"), dict) and row["demo"]["route"]})  # type: ignore[index]  # fmt: skip
@@ -278,26 +304,34 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         args.junit_dir.mkdir(parents=True, exist_ok=True)
-        ok = True
+        ok, passed, failed = True, 0, 0
         for release in args.releases:
             print(f"matrix: {install(release)}", flush=True)
             row = run(release, args.junit_dir)
             _save({**_load(), release: row})  # read again: another release's run may have written since
             ok &= bool(row["tests_ok"]) and bool(row["demo"]["ok"])  # type: ignore[index]
+            for cell in row["cells"].values():  # type: ignore[attr-defined]
+                passed, failed = passed + cell["passed"], failed + cell["failed"]
+        print(f"matrix: {passed} passed, {failed} failed")  # every release's smoke tests together
         return 0 if ok else 1
     if args.cmd == "record":
         results = _load()
         cells = read_junit(args.junit)
-        results[args.release] = {"torch": args.release, "cells": cells, "tests_ok": True}
+        results[args.release] = {
+            "torch": args.release,
+            "cells": cells,
+            "tests_ok": True,
+            "source": "whole suite",
+        }
         _save(results)
         return 0
     table = render(_load())
     if args.check:
-        if _page_with(table) != PAGE.read_text():
-            print(
-                f"matrix: {PAGE.relative_to(ROOT)} does not show these results; the table they give:\n{table}"
-            )
+        shown, got = statuses(PAGE.read_text()), statuses(table)
+        if shown != got:
+            print(f"matrix: {PAGE.relative_to(ROOT)} does not show these results; they give:\n{table}")
             return 1
+        print(f"matrix: {PAGE.relative_to(ROOT)} shows what ran on torch {', '.join(sorted(got))}")
         return 0
     PAGE.write_text(_page_with(table))
     return 0

@@ -53,7 +53,7 @@ def test_min_size_one_compiles_once_across_lengths() -> None:
 
 @pytest.mark.skipif(_mark_unbacked_takes_min(), reason="this torch's mark_unbacked takes min")
 def test_min_size_without_torch_support_names_the_fallback() -> None:
-    """torch 2.10 and 2.11: mark_unbacked has no `min`; the error names the torch._check to write instead."""
+    """torch 2.11: mark_unbacked has no `min`; the error names the torch._check to write instead."""
     with pytest.raises(NotImplementedError, match=r"funcoll\.mark_ragged: `min_size` needs") as info:
         funcoll.mark_ragged(_q(3), 2, min_size=1)
     assert "torch._check(x.shape[2] >= 1)" in str(info.value)

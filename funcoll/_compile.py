@@ -48,7 +48,7 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
     does, cannot trace an unbacked size that may be 0 ("Could not guard on
     data-dependent expression Eq(u0, 0)"); ``min_size=1`` makes that branch
     static, and each call checks the bound at run time. It needs a torch whose
-    ``mark_unbacked`` takes ``min`` (2.12 and later do, 2.10 and 2.11 do not); anywhere,
+    ``mark_unbacked`` takes ``min`` (2.12 and later do, 2.11 does not); anywhere,
     ``torch._check(x.shape[dim] >= 1)`` at the top of the compiled function
     says the same (docs/compile.md).
 

@@ -119,7 +119,7 @@ def is_placement(p: object, cls: type[Placement]) -> bool:
     """`p` is a `cls` itself, not a subclass of it (``_StridedShard`` is a ``Shard`` funcoll does not take).
 
     By the class's name, not ``type(p) is cls``: dynamo before torch 2.13 gives a
-    placement made inside the compiled region a type that is not `cls` (on 2.10 to 2.12,
+    placement made inside the compiled region a type that is not `cls` (on 2.11 and 2.12,
     ``type(Shard(1)) is Shard`` is False there, and its name is still "Shard").
     """
     return isinstance(p, cls) and type(p).__name__ == cls.__name__
