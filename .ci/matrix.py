@@ -146,14 +146,23 @@ def _classify(file: str, name: str) -> str | None:
     return None
 
 
-def read_junit(path: Path) -> dict[str, dict[str, object]]:
-    """Per column: passed, failed, skipped counts and the first failures' ids, from a junit report."""
+def read_junit(*paths: Path) -> dict[str, dict[str, object]]:
+    """Per column: passed, failed, skipped counts and the first failures' ids, from junit reports.
+
+    A test in several reports counts once, as the last one has it (a rerun of a file).
+    """
     cells: dict[str, dict[str, object]] = {
         a: {"passed": 0, "failed": 0, "skipped": 0, "failures": []} for a in AREAS
     }
-    for case in ET.parse(path).iter("testcase"):
-        file = case.get("file") or case.get("classname", "").rsplit(".", 1)[0].replace(".", "/") + ".py"
-        name = case.get("name", "")
+    files = {f for fs, _ in AREAS.values() for f in fs}
+    latest: dict[tuple[str, str], ET.Element] = {}
+    for path in paths:
+        for case in ET.parse(path).iter("testcase"):
+            latest[case.get("classname", ""), case.get("name", "")] = case
+    for (classname, name), case in latest.items():
+        # pytest's classname is the module's dotted path, then the class for a method.
+        parts = classname.split(".")
+        file = next((f for k in range(len(parts), 0, -1) if (f := "/".join(parts[:k]) + ".py") in files), "")
         area = _classify(file, name)
         if area is None:
             continue
@@ -291,8 +300,9 @@ def main() -> int:
         p.add_argument("--releases", nargs="*", default=list(RELEASES))
     sub.choices["run"].add_argument("--junit-dir", type=Path, default=CACHE / "junit")
     rec = sub.add_parser("record")
-    rec.add_argument("junit", type=Path)
+    rec.add_argument("junit", type=Path, nargs="+", help="reports; a later one's result of a test wins")
     rec.add_argument("--release", default=PINNED)
+    rec.add_argument("--source", default=None, help='what ran, e.g. "whole suite" (default: as recorded)')
     ren = sub.add_parser("render")
     ren.add_argument("--check", action="store_true")
     args = parser.parse_args()
@@ -316,14 +326,12 @@ def main() -> int:
         return 0 if ok else 1
     if args.cmd == "record":
         results = _load()
-        cells = read_junit(args.junit)
-        results[args.release] = {
-            "torch": args.release,
-            "cells": cells,
-            "tests_ok": True,
-            "source": "whole suite",
-        }
-        _save(results)
+        cells = read_junit(*args.junit)
+        row = results.get(args.release) or {"torch": args.release, "source": "whole suite"}
+        row.update(cells=cells, tests_ok=not any(c["failed"] for c in cells.values()))
+        if args.source:
+            row["source"] = args.source
+        _save({**results, args.release: row})
         return 0
     table = render(_load())
     if args.check:
