@@ -91,6 +91,8 @@ AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "lax / shard_map": (("tests/test_lax.py", "compile_tests/test_lax_compile.py"), None),
     "moe": (("tests/test_moe.py", "compile_tests/test_moe_compile.py"), None),
 }  # fmt: skip
+# The columns in the order the page shows them.
+COLUMNS = ("eager", "compiled (aot_eager)", "inductor", "DTensor", "lax / shard_map", "moe")
 
 
 def venv_python(release: str) -> Path:
@@ -259,7 +261,7 @@ def _mark(cell: dict[str, object]) -> str:
 
 def render(results: dict[str, dict[str, object]]) -> str:
     """The support table, from the results: one row per release."""
-    head = ["torch", *AREAS, "demo"]
+    head = ["torch", *COLUMNS, "demo"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for release in sorted(results, key=lambda r: tuple(int(p) for p in r.split("."))):
         row = results[release]
@@ -272,7 +274,7 @@ def render(results: dict[str, dict[str, object]]) -> str:
             if release == PINNED
             else release
         )
-        lines.append("| " + " | ".join([name, *(_mark(cells[a]) for a in AREAS), demo_text]) + " |")
+        lines.append("| " + " | ".join([name, *(_mark(cells[a]) for a in COLUMNS), demo_text]) + " |")
     routes = sorted({(r, row["demo"]["route"]) for r, row in results.items()
                      if isinstance(row.get("demo"), dict) and row["demo"]["route"]})  # type: ignore[index]  # fmt: skip
     notes = [f"- torch {r}: the demo's seed-style all_to_all went by {route}." for r, route in routes
