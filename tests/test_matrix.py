@@ -10,6 +10,7 @@ packaging states is the oldest release the matrix runs.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from functools import cache
@@ -83,9 +84,11 @@ def test_support_page_shows_the_committed_results() -> None:
     assert page == m._page_with(m.render(m._load())), "run `python .ci/matrix.py render`"
 
 
-def test_results_cover_exactly_the_releases_named() -> None:
+def test_results_name_only_supported_releases_and_hold_the_pinned_one() -> None:
     m = _matrix()
-    assert sorted(m._load()) == sorted([m.PINNED, *m.RELEASES])
+    rows = json.loads(m.RESULTS.read_text())
+    assert set(rows) <= {m.PINNED, *m.RELEASES}, "a row of a release funcoll no longer names"
+    assert m.PINNED in rows
 
 
 @pytest.mark.parametrize("where", ["pyproject.toml", "README.md", "docs/support.md"])
