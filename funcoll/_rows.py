@@ -93,14 +93,10 @@ def pack_reference(
     zeros: the padding rows are copied from it, in the same pass, instead of
     filled after it (their gradient goes to that row).
     """
+    src = _sources(sizes, bound, n_out, blocks.device)
     if exact:
-        return blocks.index_select(0, _sources(sizes, bound, n_out, blocks.device))
-    ends = torch.cumsum(sizes, 0)
-    starts = ends - sizes
-    k = torch.arange(n_out, device=blocks.device)
-    owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
-    src = owner * bound + (k - starts[owner])
-    valid = k < ends[-1]
+        return blocks.index_select(0, src)
+    valid = torch.arange(n_out, device=blocks.device) < sizes.sum()
     if zero_row is not None:
         return blocks.index_select(0, torch.where(valid, src, zero_row))
     rows = blocks.index_select(0, torch.where(valid, src, 0))
@@ -121,7 +117,7 @@ def pack(
 
 
 def _sources(sizes: Tensor, bound: IntLike, n_out: IntLike, device: torch.device) -> Tensor:
-    """The row of the blocks that each of the `n_out` packed rows comes from (all data: ``exact``)."""
+    """The row of the blocks that each of the `n_out` packed rows comes from (rows past the data: clamped, any)."""
     ends = torch.cumsum(sizes, 0)
     k = torch.arange(n_out, device=device)
     owner = torch.searchsorted(ends, k, right=True).clamp(max=sizes.numel() - 1)
