@@ -43,7 +43,7 @@ from _ops import COLLECTIVE_PREFIX, recording_backend
 from torch import Tensor, nn
 
 import funcoll
-from funcoll.testing import in_flight, run_ranks
+from funcoll.testing import run_ranks, settled
 
 D, HEADS, HIDDEN = 12, 6, 8
 HEAD_DIM = D // HEADS
@@ -344,12 +344,8 @@ def ops_body(rank: int, world: int) -> dict[str, Any]:
             pl, pc = p.clone().requires_grad_(), piece.clone().requires_grad_()
             loss, values = fn(x, pl, pc)
             loss.backward()
-            out[kind] = {
-                "loss": loss.detach(),
-                "values": values,
-                "grads": [x.grad.full_tensor(), pl.grad, pc.grad],
-                "in_flight": in_flight(),
-            }
+            out[kind] = settled({"loss": loss.detach(), "values": values,
+                                 "grads": [x.grad.full_tensor(), pl.grad, pc.grad]})  # fmt: skip
         return out
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc(limit=-12)}

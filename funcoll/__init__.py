@@ -7,6 +7,7 @@ the ``torch.ops._c10d_functional`` ops.
 
 from . import lax as lax  # the submodule: funcoll.lax.psum after `import funcoll`
 from . import moe as moe  # the submodule: funcoll.moe.dispatch after `import funcoll`
+from ._async import wait
 from ._compile import mark_ragged
 from ._config import checks_enabled, set_checks
 from ._even import (
@@ -56,4 +57,5 @@ __all__ = [
     "split_forward_gather_backward",
     "split_sizes",
     "to_ragged",
+    "wait",
 ]

@@ -31,7 +31,7 @@ import torch
 
 from ._config import checks_enabled
 
-__all__ = ["failed", "public_op", "remember", "traced_op", "wait"]
+__all__ = ["current_op", "failed", "public_op", "remember", "traced_op", "wait"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -84,13 +84,16 @@ def traced_op() -> str:
     return _TRACED[0] if _TRACED else ""
 
 
-def _op_name(traced: str | None = None) -> str:
+def _op_name(traced: str | None = None, issued_by: str | None = None) -> str:
     """The public op whose collective is running: the eager op, or the op whose backward this is.
 
     `traced` is the name a compiled graph's ``funcoll::wait`` carries ("" if the
     collective was traced outside a public op); its collective runs in a backward
-    when an autograd node is running.
+    when an autograd node is running. `issued_by` is the name read when a
+    deferred collective was issued (:func:`current_op`): it wins.
     """
+    if issued_by is not None:
+        return issued_by
     node = torch._C._current_autograd_node()  # the node whose backward runs, if any
     if traced is not None:
         name = f"funcoll.{traced}" if traced else "funcoll"
@@ -111,19 +114,31 @@ def _where(group_name: str) -> str:
         return f"group {group_name!r}"
 
 
+def current_op() -> str:
+    """The funcoll op (or backward of one) running now, as a failure names it: read at issue time."""
+    return _op_name()
+
+
 def failed(
-    collective: str, group_name: str, step: str, error: RuntimeError, traced: str | None = None
+    collective: str,
+    group_name: str,
+    step: str,
+    error: RuntimeError,
+    traced: str | None = None,
+    op: str | None = None,
 ) -> RuntimeError:
     """The backend's `error` of `collective`, re-made with funcoll's op and step in front.
 
     The type is kept (gloo raises ``RuntimeError``, NCCL ``DistBackendError``), so
     code that catches the backend's errors still catches it; the original is the
     new one's ``__cause__``. `traced` is the op name a compiled graph carries
-    (see :func:`wait`); None in eager code.
+    (see :func:`wait`); None in eager code. `op` is the name :func:`current_op`
+    read when a deferred collective was issued (``funcoll._async``): its wait
+    runs after the op has returned.
     """
     at = f" in {step}" if step else ""
     message = (
-        f"{_op_name(traced)}: the {collective}{at} on {_where(group_name)} failed. The backend said: {error}. "
+        f"{_op_name(traced, op)}: the {collective}{at} on {_where(group_name)} failed. The backend said: {error}. "
         f"If that is about a peer (a closed connection, a timeout), a rank of the group died, raised before "
         f"this op, or never called it: find the first error in the other ranks' logs. Otherwise the backend "
         f"refused this rank's tensor (a dtype or device it does not support)."

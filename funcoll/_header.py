@@ -104,7 +104,8 @@ def exchange(
         tail = torch.cat([tail, tail.new_zeros(TAIL * g.size - tail.shape[0])])
     header = torch.cat([header, tail])
     step = "the cross-rank check" if HEADERS[key].check_only else "the size exchange"
-    table = _prims._all_gather_impl(header, g.name, g.size, step).view(g.size, -1)
+    # The host reads the table next (host_ints): wait now, not at that first use.
+    table = _prims._all_gather_impl(header, g.name, g.size, step, defer=False).view(g.size, -1)
     return table, host_ints(table, key, g.rank)
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 ROWS = 16  # rows per program
 
@@ -101,7 +102,13 @@ def _words(*ts: Tensor) -> list[Tensor]:
 
 
 def _launch(kernel: triton.JITFunction, src: Tensor, dst: Tensor, *args: object, **meta: int) -> None:
-    """Run `kernel` over `dst`'s rows: ``kernel(src, dst, n_dst, row_words, *args)``."""
+    """Run `kernel` over `dst`'s rows: ``kernel(src, dst, n_dst, row_words, *args)``.
+
+    A kernel reads its tensors' memory without torch's dispatch, so an input
+    that a collective is still filling (an eager result, funcoll._async) is
+    waited for first: on CUDA that makes the launching stream wait, not the host.
+    """
+    src, args = _arrived(src), tuple(_arrived(a) for a in args)
     s, d = _words(src.contiguous(), dst)
     n_dst, row_words = d.shape
     if n_dst == 0 or row_words == 0:
@@ -109,6 +116,10 @@ def _launch(kernel: triton.JITFunction, src: Tensor, dst: Tensor, *args: object,
     block = min(1024, triton.next_power_of_2(row_words))
     grid = (triton.cdiv(n_dst, ROWS), triton.cdiv(row_words, block))
     kernel[grid](s, d, n_dst, row_words, *args, ROWS=ROWS, BLOCK=block, **meta)
+
+
+def _arrived(t: object) -> object:
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _world_meta(sizes: Tensor) -> dict[str, int]:

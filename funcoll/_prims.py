@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _faults
+from . import _async, _faults
 from ._checks import IntLike
 from ._config import checks_enabled
 from ._rows import cut_padding, pad_rows
@@ -52,13 +52,21 @@ _F = torch.ops._c10d_functional
 Stats = tuple[IntLike, IntLike, IntLike]
 
 
-def _run(collective: str, group_name: str, issue: Callable[[], Tensor], step: str = "") -> Tensor:
-    """Issue one collective and wait for it.
+def _run(
+    collective: str, group_name: str, issue: Callable[[], Tensor], step: str = "", *, defer: bool = True
+) -> Tensor:
+    """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
 
-    In eager code a backend failure (a peer rank died, raised or stayed away) is
-    re-raised naming the funcoll op, the collective and its `step`
-    (:mod:`funcoll._faults`). While compiling this is the issue and the wait alone,
-    unless checks are on: then the wait is ``funcoll::wait``, which names them too.
+    Eager, the result is a :class:`funcoll._async.Pending` (funcol's
+    ``AsyncCollectiveTensor`` design): the call returns once the collective is
+    issued, and the wait happens when an op first reads the values, so the
+    caller's work in between overlaps with the communication. A backend failure
+    (a peer rank died, raised or stayed away) is re-raised naming the funcoll
+    op, the collective and its `step` (:mod:`funcoll._faults`), at the issue or
+    at that wait. ``defer=False`` waits at once: the size exchanges, whose values
+    the host reads next. While compiling this is the issue and the wait, which
+    inductor's passes may move past independent work; under checks the wait is
+    ``funcoll::wait``, which names the op too.
 
     Eager, the issue and the wait dispatch below autograd. Every collective here
     runs inside a primitive's forward (grad off, funcoll's own backward) or on a
@@ -74,9 +82,12 @@ def _run(collective: str, group_name: str, issue: Callable[[], Tensor], step: st
         return _F.wait_tensor(issue())
     try:
         with torch._C._AutoDispatchBelowAutograd():
-            return _F.wait_tensor(issue())
+            out = issue()
+            if not defer:
+                return _F.wait_tensor(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e
+    return _async.defer(out, collective, group_name, step)
 
 
 def _payload(x: Tensor) -> Tensor:
@@ -115,10 +126,11 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 
 
 # --------------------------------------------------------------------------- all_gather_p
-def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "") -> Tensor:
+def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, defer: bool = True) -> Tensor:
     return _run(
-        "all_gather", group_name, lambda: _F.all_gather_into_tensor(_payload(x), world, group_name), step
-    )
+        "all_gather", group_name, lambda: _F.all_gather_into_tensor(_payload(x), world, group_name), step,
+        defer=defer,
+    )  # fmt: skip
 
 
 class _AllGather(torch.autograd.Function):

@@ -31,6 +31,7 @@ FAMILIES = (
     "Compiling",
     "Checks",
     "JAX's shard_map",
+    "Overlap",
 )
 CASES = "compile_tests/_ops.py"  # the table of compiled cases (id prefix: the op name)
 
@@ -142,7 +143,7 @@ _A2A = _fixed({A2A: 1}, {A2A: 1})
 _NONE = _fixed({}, {})  # traced, but no collective
 _S_R, _T_DT = ("Shard(dim)", "Replicate()"), "tests/test_dtensor.py"
 _DT_COMPILED = "compile_tests/test_dtensor_compile.py"
-_GROUPS, _COMPILING, _CHECKS, _JAX = FAMILIES[5:]
+_GROUPS, _COMPILING, _CHECKS, _JAX, _OVERLAP = FAMILIES[5:]
 
 SPECS: tuple[OpSpec, ...] = (
     _op("all_gather", _EVEN, _T_EVEN, "tests/test_checks.py", _T_DT, collectives=_EVEN_AG, dtensor=_S_R),
@@ -184,6 +185,7 @@ SPECS: tuple[OpSpec, ...] = (
     _op("checks_enabled", _CHECKS, "tests/test_checks.py", exchanges=False, compiled_in=None),
     _op("shard_map", _JAX, "tests/test_lax.py", "tests/test_lax_jax.py", exchanges=False,  # issues what `f` issues
         compiled_in="compile_tests/test_lax_compile.py"),
+    _op("wait", _OVERLAP, "tests/test_overlap.py", exchanges=False, compiled_in="compile_tests/test_overlap_order.py"),
 )  # fmt: skip
 _BY_NAME = {s.name: s for s in SPECS}
 

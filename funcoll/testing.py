@@ -50,6 +50,7 @@ __all__ = [
     "launch",
     "recording_backend",
     "run_ranks",
+    "settled",
 ]
 
 
@@ -247,17 +248,41 @@ def in_flight() -> int:
     """How many collectives this process has issued and not yet waited for (c10d's work registry).
 
     A functional collective stays registered until its ``wait_tensor``; any left
-    when the process exits make c10d warn of "unwaited collective calls". After any
-    funcoll op, eager or compiled, forward or backward, and after any error one
-    raised, it is 0: check it in code built on funcoll the same way. ::
+    when the process exits make c10d warn of "unwaited collective calls". An
+    eager funcoll result is registered until it is first read (or freed): after
+    reading every result of funcoll's ops, eager or compiled, forward or backward,
+    and after any error one raised, it is 0. Check it in code built on funcoll the
+    same way (:func:`settled` reads the results first). ::
 
         def body(rank, world):
-            funcoll.gather(torch.ones(rank + 1))
-            return in_flight()
+            y = funcoll.gather(torch.ones(rank + 1))
+            issued = in_flight()  # 1: the data is still on its way
+            y = y + 1             # the first read waits
+            return issued, in_flight()
 
-        assert run_ranks(body, world=2) == [0, 0]
+        assert run_ranks(body, world=2) == [(1, 0), (1, 0)]
     """
     return torch._C._distributed_c10d._get_work_registry_size()
+
+
+def settled(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with every pending result in them waited for, and ``"in_flight"``: what is left after that.
+
+    An eager funcoll result is pending until something reads it
+    (:func:`funcoll.wait`); one that is still alive and unread is rightly in
+    flight. A rank function that reports what it computed waits for it first,
+    then counts what stayed registered: 0 unless a collective was issued and
+    never waited. ::
+
+        def body(rank, world):
+            y = funcoll.all_gather(torch.ones(2))
+            return settled({"y": y})  # {"y": tensor([1., 1., 1., 1.]), "in_flight": 0}
+    """
+    from . import wait
+
+    out = wait(dict(values))
+    out["in_flight"] = in_flight()
+    return out
 
 
 def launch(

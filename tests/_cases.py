@@ -55,7 +55,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters as dynamo_counters
 
 import funcoll
-from funcoll.testing import in_flight
+from funcoll.testing import in_flight, settled
 
 T = TypeVar("T")
 Out = Tensor | None | str | tuple[int, ...]  # one output: a tensor, None (gather's non-dst ranks), metadata
@@ -680,11 +680,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         if total.requires_grad:
             total.backward()
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-    return {
-        "outs": [o.detach() if isinstance(o, Tensor) else o for o in outs],
-        "grad": grad,
-        "in_flight": in_flight(),
-    }
+    return settled({"outs": [o.detach() if isinstance(o, Tensor) else o for o in outs], "grad": grad})
 
 
 # ------------------------------------------------------------------------------------- reference

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-FAMILIES = ("gather", "sweep", "dtensor", "moe", "checked")  # and row_kernels, skipped without CUDA
+FAMILIES = ("gather", "sweep", "dtensor", "moe", "checked", "overlap")  # and row_kernels, skipped without CUDA
 
 
 def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
@@ -46,5 +46,9 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert moe == {"titan": 2, "funcoll.moe exact": 2, "funcoll.moe static": 0, "funcoll.moe dropless": 1}, (
         moe
     )
+    overlap = [r for r in data["records"] if r["family"] == "overlap"]
+    assert {r["impl"] for r in overlap} >= {"funcol all_gather", "funcoll.all_gather"}, overlap
+    assert {r["layout"] for r in overlap} == {"eager, sleep", "eager, matmul"}
+    assert all(-10 < r["hidden"] < 10 for r in overlap), overlap  # a fraction of the collective's time
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
     assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")}

@@ -102,7 +102,7 @@ def _prepare(rank: int, world: int, op: str) -> Callable[[], Any]:
         y = step(x)
         return lambda: y.sum().backward()
     if kind == "backward":
-        y = funcoll.gather(_ragged(rank).requires_grad_())
+        y = funcoll.wait(funcoll.gather(_ragged(rank).requires_grad_()))  # the forward done on every rank
         return lambda: y.sum().backward()
     return lambda: OPS[op](rank, world)
 
@@ -124,11 +124,11 @@ def _body(rank: int, world: int, op: str, fault: str, checks: bool) -> None:
             time.sleep(PG_TIMEOUT_S + 2.0)
             raise ValueError("rank 1 never called the op")
         with _ExitAtCollective(int(fault.removeprefix("exits_after_"))):
-            call()
+            funcoll.wait(call())
         raise AssertionError("rank 1 should have exited in the op")
     start = time.monotonic()
     try:
-        call()
+        funcoll.wait(call())  # an eager result waits at first use: the failure surfaces there
     except RuntimeError as e:
         left = torch._C._distributed_c10d._get_work_registry_size()
         raise Survivor(f"survivor after {time.monotonic() - start:.1f}s, in flight {left}") from e

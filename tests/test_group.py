@@ -308,7 +308,9 @@ def test_single_rank_without_dist(call: Callable[[], Any], expected: Any) -> Non
     result = call()
     torch.testing.assert_close(result, expected, rtol=0, atol=0)
     for t in _tensors(result):
-        assert t.untyped_storage().data_ptr() != X.untyped_storage().data_ptr(), "aliases the input"
+        assert funcoll.wait(t).untyped_storage().data_ptr() != X.untyped_storage().data_ptr(), (
+            "aliases the input"
+        )
 
 
 SINGLE_GRADS = [

@@ -37,7 +37,7 @@ from torch import Tensor
 import funcoll
 import funcoll.lax as lax
 from funcoll import P
-from funcoll.testing import in_flight
+from funcoll.testing import settled
 
 WORLDS = (2, 4)
 TIMEOUT_S = 120.0
@@ -521,13 +521,14 @@ def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
     loss = sum((o * w).sum() for o, w in zip(full, _weights(case, full), strict=True))
     loss.backward()
     grads = [t.grad.full_tensor() if hasattr(t.grad, "full_tensor") else t.grad for t in leaves]
-    return {
-        "outs": [o.detach() for o in full],
-        "placements": [[str(p) for p in o.placements] for o in outs],
-        "local": [o.to_local().detach() for o in outs],
-        "grads": [g.detach() for g in grads],
-        "in_flight": in_flight(),
-    }
+    return settled(
+        {
+            "outs": [o.detach() for o in full],
+            "placements": [[str(p) for p in o.placements] for o in outs],
+            "local": [o.to_local().detach() for o in outs],
+            "grads": [g.detach() for g in grads],
+        }
+    )
 
 
 # -------------------------------------------------------------------------------- errors
@@ -645,11 +646,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 y = call(case, x)
             if case.grad:
                 y.backward(seeded(tuple(y.shape), F64, case.id, "w", rank))
-            res[case.id] = {
-                "y": y.detach(),
-                "grad": None if x.grad is None else x.grad.clone(),
-                "in_flight": in_flight(),
-            }
+            res[case.id] = settled({"y": y.detach(), "grad": None if x.grad is None else x.grad.clone()})
         except Exception:  # noqa: BLE001 -- reported by the case's test
             res[case.id] = {"error": traceback.format_exc(limit=-6)}
     with lax.mesh(meshes["i"]):
@@ -694,6 +691,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
             res["scalars"]["axis_index-dp_tp"] = lax.axis_index(("dp", "tp"))
             res["scalars"]["axis_index-tp_dp"] = lax.axis_index(("tp", "dp"))
             res["scalars"]["axis_size-dp_tp"] = lax.axis_size(("dp", "tp"))
+    res["scalars"] = funcoll.wait(res["scalars"])  # read now: the cases below count what is left in flight
     for key, per, axis in RAGGED[world]:
         try:
             index = jax_index(rank, axis)
@@ -703,11 +701,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
             with lax.mesh(meshes["i"] if axis == "i" else meshes["dp_tp"]):
                 y = lax.ragged_all_to_all(**args, axis_name=axis)
             y.backward(seeded(tuple(y.shape), F64, "ragged-w", per, index))
-            res[key] = {
-                "y": y.detach(),
-                "grads": [args["operand"].grad, args["output"].grad],
-                "in_flight": in_flight(),
-            }
+            res[key] = settled({"y": y.detach(), "grads": [args["operand"].grad, args["output"].grad]})
         except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc(limit=-6)}
     if world == 4:
@@ -716,7 +710,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
             ("docs-snippet", lambda: _snippet().step(rank, world)),
         ):
             try:
-                res[key] = {**fn(), "in_flight": in_flight()}
+                res[key] = settled(fn())
             except Exception:  # noqa: BLE001
                 res[key] = {"error": traceback.format_exc(limit=-8)}
     if world == 2:  # JAX's docstring example, exactly

@@ -352,7 +352,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     x = rank_input(case, rank)
     out = call_op(case, x, rank)
     ptr = x.untyped_storage().data_ptr()
-    aliases = any(t.numel() and t.untyped_storage().data_ptr() == ptr for t in tensors(out))
+    aliases = any(t.numel() and funcoll.wait(t).untyped_storage().data_ptr() == ptr for t in tensors(out))
     grad = None
     if case.grad:
         loss(case, out, rank).backward()

@@ -198,7 +198,8 @@ def run_case(c: RegionCase, rank: int, world: int) -> dict[str, Any]:
         "y": y.detach(),
         "contiguous": y.is_contiguous(),
         # Empty tensors all have data_ptr 0; only non-empty ones can alias.
-        "aliases_x": x.numel() > 0 and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
+        "aliases_x": x.numel() > 0
+        and funcoll.wait(y).untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
     }
     if c.grad:
         downstream_loss(c, y, rank).backward()

@@ -1,0 +1,189 @@
+"""Eager results that arrive later: a collective's output whose wait happens at first use.
+
+funcol's eager ops return an ``AsyncCollectiveTensor``: the collective has been
+issued, and the wait (``wait_tensor``: on CUDA the current stream waits for the
+collective's stream, on gloo the host waits for the work) happens when an op
+first reads the values. Views (``narrow``, ``movedim``, ``view``, a bit-cast)
+read nothing, so they stay pending too. Everything the caller computes between
+the call and the first read overlaps with the communication.
+
+:class:`Pending` is that design with funcoll's fault naming kept: it subclasses
+``AsyncCollectiveTensor`` (so the torch code that knows those, AOT autograd's
+input handling and DTensor's, treats it as one), and its wait re-raises a
+backend failure naming the funcoll op, the collective and the step, taken when
+the collective was issued (:func:`funcoll._faults.failed`), as the blocking wait
+did. A result and all its views share one :class:`_Ticket`, so the collective is
+waited once, whichever of them is read first.
+
+Only eager code gets a :class:`Pending`: a compiled graph has the bare
+``wait_tensor`` that inductor schedules (``_prims._run``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, _is_view_op
+from torch.utils._pytree import tree_map_only
+
+from . import _faults
+
+__all__ = ["Pending", "defer", "wait"]
+
+_wait_tensor = torch.ops._c10d_functional.wait_tensor
+_view = torch.ops.aten.view.default
+
+
+class _Ticket:
+    """One issued collective: its output, whether it was waited, and what to name if it failed."""
+
+    __slots__ = ("collective", "done", "group_name", "op", "output", "step")
+
+    def __init__(self, output: Tensor, op: str, collective: str, group_name: str, step: str) -> None:
+        self.output, self.done = output, False
+        self.op, self.collective, self.group_name, self.step = op, collective, group_name, step
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True  # waited once, failed or not: a second read must not wait on a dead group
+        try:
+            with torch._C._AutoDispatchBelowAutograd():
+                _wait_tensor(self.output)
+        except RuntimeError as e:
+            raise _faults.failed(self.collective, self.group_name, self.step, e, op=self.op) from e
+        self.output = None  # type: ignore[assignment]  # the values live on in the views' elems
+
+    def __del__(self) -> None:
+        # Every result of this collective was dropped unread: wait now, so that nothing
+        # is left in c10d's registry (a leak, and "unwaited collective calls" at exit).
+        # The peers issued this collective before anything later, so the wait ends.
+        # A failure here has no caller to raise to: it is a warning naming the op.
+        if self.done:
+            return
+        try:
+            self.wait()
+        except RuntimeError as e:
+            warnings.warn(f"{e} (its result was never read)", RuntimeWarning, stacklevel=1)
+
+
+class Pending(AsyncCollectiveTensor):
+    """A collective's eager result (or a view of one) whose values may not have arrived yet.
+
+    Any op that reads the values waits first (once per collective); a view op
+    returns another :class:`Pending` on the same collective. ``.wait()`` returns the
+    plain tensor. Pickling, ``deepcopy`` and ``repr`` wait and act on the values.
+    """
+
+    __slots__ = ["ticket"]
+    ticket: _Ticket
+
+    @staticmethod
+    def __new__(cls, elem: Tensor, ticket: _Ticket) -> Pending:  # type: ignore[override]
+        r = AsyncCollectiveTensor.__new__(cls, elem)
+        r.ticket = ticket
+        return r  # type: ignore[return-value]
+
+    def __init__(self, elem: Tensor, ticket: _Ticket) -> None:
+        super().__init__()
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor], meta: Any, outer_size: Any, outer_stride: Any
+    ) -> Tensor:
+        # A traced copy of a result: the trace has no collective to wait for here.
+        return AsyncCollectiveTensor(inner["elem"])
+
+    def trigger_wait(self) -> Tensor:
+        self.ticket.wait()
+        self.completed = True
+        return self.elem
+
+    def wait(self) -> Tensor:
+        return self.trigger_wait()
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Pending({self.trigger_wait()})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.trigger_wait().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        return self.trigger_wait().clone()
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _view:  # the commonest view, without the pytree walk
+            return Pending(func(args[0].elem, *args[1:], **kwargs), args[0].ticket)
+        if _is_view_op(func):
+            ticket = next(a.ticket for a in args if isinstance(a, Pending))
+            out = func(*tree_map_only(Pending, lambda p: p.elem, args),
+                       **tree_map_only(Pending, lambda p: p.elem, kwargs))  # fmt: skip
+            return tree_map_only(Tensor, lambda t: Pending(t, ticket), out)
+        return func(*tree_map_only(Pending, lambda p: p.trigger_wait(), args),
+                    **tree_map_only(Pending, lambda p: p.trigger_wait(), kwargs))  # fmt: skip
+
+
+def defer(output: Tensor, collective: str, group_name: str, step: str) -> Tensor:
+    """`output` of a collective just issued, as a :class:`Pending` that waits at first use.
+
+    The funcoll op to name if the wait fails is read now, while the op (or the
+    backward of one) is still running.
+    """
+    return Pending(output, _Ticket(output, _faults.current_op(), collective, group_name, step))
+
+
+def wait(tree: Any) -> Any:
+    """Wait for the collectives behind every pending result in `tree`; the same tree, of plain tensors.
+
+    Eager funcoll ops (as funcol's) return once their collectives are issued: the
+    result waits for its data when an op first reads it, so the caller's work
+    between the call and that read overlaps with the communication
+    (docs/overlap.md). ``wait`` makes that point explicit: for a timer that must
+    include the communication, or before handing the tensors to code that reads
+    memory without torch's dispatch (``data_ptr()``, a custom kernel, numpy). On
+    gloo the host waits; on NCCL the current stream waits for the collective's
+    stream and the host does not. A failure of the collective raises here, naming
+    the funcoll op that issued it. Anything else in `tree` (a plain tensor, a
+    compiled graph's output, which its graph already waited for, a number) is
+    returned as it is; inside a compiled graph ``wait`` is the identity.
+
+    Args:
+        tree: a tensor, or any nesting of lists, tuples and dicts holding some
+            (funcoll's pending results, funcol's ``AsyncCollectiveTensor``).
+
+    Returns:
+        The same structure, each pending result replaced by a plain tensor of
+        the same shape, dtype and device, holding the arrived values.
+
+    Backward: the identity (waiting moves no values); the autograd history of
+    each result is kept.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        wait(all_gather(x))           # both: [0., 1., 2., 3.]
+    """
+    return tree_map_only(AsyncCollectiveTensor, _waited, tree)
+
+
+class _Waited(torch.autograd.Function):
+    """A pending result's values as a plain tensor, with its autograd history: the identity."""
+
+    @staticmethod
+    def forward(ctx: Any, t: AsyncCollectiveTensor) -> Tensor:
+        return t.trigger_wait().detach()  # a new tensor object on the same values: the output's own
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _waited(t: AsyncCollectiveTensor) -> Tensor:
+    if t.requires_grad and torch.is_grad_enabled():
+        return _Waited.apply(t)
+    return t.trigger_wait()

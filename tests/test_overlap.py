@@ -1,0 +1,168 @@
+"""Eager funcoll ops return before their data arrives; the wait happens at first use.
+
+Each case calls a public op on 2 and 3 gloo ranks and reads c10d's work registry
+(``funcoll.testing.in_flight()``) right after the call: an op whose result reaches
+the caller unchanged or through views returns with its data collective still
+registered (issued, not waited), so the caller's work until the first read
+overlaps with it. Ops that must copy what arrives (a pad cut, a reduction of the
+pieces, a layout change) return waited: the table says which. The result is
+then read and compared with a single-process reference, and nothing is left in
+flight afterwards. A dropped result is waited when it is freed (nothing is left
+registered), and ``funcoll.wait`` keeps the autograd history.
+
+Ordering is what is checked, never time: benchmarks/bench_overlap.py measures how
+much of the communication a step hides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import funcoll
+from funcoll import moe
+from funcoll.testing import in_flight, run_ranks, settled
+
+WORLDS = (2, 3)
+COLS = 3
+
+
+def _x(rank: int, rows: int) -> Tensor:
+    return torch.arange(float(rows * COLS)).view(rows, COLS) + 100 * rank
+
+
+def _even(world: int) -> list[Tensor]:
+    return [_x(r, 2 * world) for r in range(world)]
+
+
+def _ragged(world: int) -> list[Tensor]:
+    return [_x(r, r + 1) for r in range(world)]
+
+
+def _sizes(world: int) -> list[int]:
+    return [r + 1 for r in range(world)]
+
+
+def _reduce_scatter_ref(xs: list[Tensor], rank: int) -> Tensor:
+    return torch.stack(xs).sum(0).chunk(len(xs))[rank]
+
+
+def _a2a_ref(xs: list[Tensor], rank: int) -> Tensor:
+    return torch.cat([x.chunk(len(xs))[rank] for x in xs])
+
+
+# name -> (this rank's call, the single-process reference of its result, deferred)
+CASES: dict[str, tuple[Callable[[int, int], Any], Callable[[int, int], Tensor], bool]] = {
+    "all_gather": (lambda r, w: funcoll.all_gather(_even(w)[r]), lambda r, w: torch.cat(_even(w)), True),
+    "all_gather-dim1": (lambda r, w: funcoll.all_gather(_even(w)[r], dim=1),
+                        lambda r, w: torch.cat(_even(w), 1), False),  # the blocks interleave along dim 1: a copy
+    "reduce_scatter": (lambda r, w: funcoll.reduce_scatter(_even(w)[r]),
+                       lambda r, w: _reduce_scatter_ref(_even(w), r), True),
+    "reduce_scatter-avg": (lambda r, w: funcoll.reduce_scatter(_even(w)[r], op="avg"),
+                           lambda r, w: _reduce_scatter_ref(_even(w), r) / w, False),  # divides what arrives
+    "all_reduce": (lambda r, w: funcoll.all_reduce(_even(w)[r]), lambda r, w: torch.stack(_even(w)).sum(0), True),
+    "all_to_all": (lambda r, w: funcoll.all_to_all(_even(w)[r], None, 0, 0),
+                   lambda r, w: _a2a_ref(_even(w), r), True),
+    "broadcast": (lambda r, w: funcoll.broadcast(_even(w)[r], 1), lambda r, w: _even(w)[1], True),
+    "ppermute": (lambda r, w: funcoll.ppermute(_even(w)[r], [(i, (i + 1) % w) for i in range(w)]),
+                 lambda r, w: _even(w)[(r - 1) % w], True),
+    "gather-exchanged": (lambda r, w: funcoll.gather(_ragged(w)[r]), lambda r, w: torch.cat(_ragged(w)), True),
+    "gather-sizes": (lambda r, w: funcoll.gather(_ragged(w)[r], sizes=_sizes(w)),
+                     lambda r, w: torch.cat(_ragged(w)), True),
+    "gather-shift": (lambda r, w: funcoll.gather(_ragged(w)[r], sizes=_sizes(w), strategy="shift"),
+                     lambda r, w: torch.cat(_ragged(w)), False),  # the pieces are concatenated
+    "gather-pad": (lambda r, w: funcoll.gather(_ragged(w)[r], sizes=_sizes(w), strategy="pad"),
+                   lambda r, w: torch.cat(_ragged(w)), False),  # the padding is cut
+    "all_to_all_v": (lambda r, w: funcoll.all_to_all_v(_even(w)[r], [2] * w)[0],
+                     lambda r, w: _a2a_ref(_even(w), r), True),
+    "gather_forward_split_backward": (
+        lambda r, w: funcoll.gather_forward_split_backward(_ragged(w)[r], None, 0, sizes=_sizes(w)),
+        lambda r, w: torch.cat(_ragged(w)), True),
+}  # fmt: skip
+
+
+def _moe(rank: int, world: int) -> dict[str, Any]:
+    """Dispatch then combine, exact mode: each lays its rows out (a copy) after computing where they go.
+
+    Dispatch issues the rows' all_to_all, computes the expert layout from the
+    counts while they travel, then copies them into it: it returns waited.
+    """
+    tokens = _x(rank, 4).double()
+    idx = (torch.arange(8).view(4, 2) + rank) % (2 * world)
+    recv, handle = moe.dispatch(tokens, idx, 2 * world)
+    after_dispatch = in_flight()
+    out = moe.combine(recv * 2, handle, torch.full((4, 2), 0.5, dtype=torch.float64))
+    return {"after_dispatch": after_dispatch, "out": out.clone(), "tokens": tokens, "left": in_flight()}
+
+
+def _body(rank: int, world: int) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    for name, (call, _, _) in CASES.items():
+        y = call(rank, world)
+        pending = in_flight()  # before anything reads y
+        got[name] = {
+            "pending": pending,
+            "type": type(y).__name__,
+            "y": y.clone(),
+            "left": in_flight(),
+        }  # clone reads y
+    got["moe"] = _moe(rank, world)
+
+    # A result nobody reads is waited when it is freed: nothing stays registered.
+    funcoll.all_gather(_even(world)[rank])
+    got["dropped"] = in_flight()
+
+    # funcoll.wait: the values, plain, with the autograd history kept.
+    x = _x(rank, 2).requires_grad_()
+    y = funcoll.all_gather(x)
+    waited = funcoll.wait({"y": y})["y"]
+    (waited * (rank + 1)).sum().backward()
+    # x.grad is the backward's reduce_scatter, itself pending until read: settled reads it
+    got["wait"] = {"type": type(waited).__name__, **settled({"grad": x.grad})}
+    return got
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[dict[str, Any]]]:
+    return {w: run_ranks(_body, w, timeout=120) for w in WORLDS}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_result_arrives_at_first_use(results: dict[int, list[dict[str, Any]]], world: int, name: str) -> None:
+    _, reference, deferred = CASES[name]
+    for rank, got in enumerate(results[world]):
+        r = got[name]
+        torch.testing.assert_close(r["y"], reference(rank, world), msg=lambda m, k=rank: f"rank {k}: {m}")
+        assert r["left"] == 0, f"rank {rank}: {r['left']} collectives left in flight after the read"
+        if deferred:
+            assert r["pending"] >= 1 and r["type"] == "Pending", (rank, r["pending"], r["type"])
+        else:
+            assert r["pending"] == 0, f"rank {rank}: {r['pending']} in flight, expected a waited result"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_moe_layout_copies_what_arrived(results: dict[int, list[dict[str, Any]]], world: int) -> None:
+    for rank, got in enumerate(results[world]):
+        m = got["moe"]
+        assert m["after_dispatch"] == 0, f"rank {rank}: dispatch left {m['after_dispatch']} in flight"
+        # combine(2 * dispatch(t)) with weight 0.5 on each of the top-2 copies: 0.5 * 2t + 0.5 * 2t
+        torch.testing.assert_close(m["out"], 2 * m["tokens"])
+        assert m["left"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dropped_result_is_waited_and_wait_keeps_the_gradient(
+    results: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    for rank, got in enumerate(results[world]):
+        assert got["dropped"] == 0, f"rank {rank}: a dropped result stayed registered"
+        w = got["wait"]
+        assert w["type"] == "Tensor" and w["in_flight"] == 0, w
+        # d/dx_r of sum_k (k + 1) * sum(gather(x)) = sum over ranks of (k + 1)
+        want = torch.full((2, COLS), float(sum(k + 1 for k in range(world))))
+        torch.testing.assert_close(w["grad"], want)
