@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+import funcoll
+
 
 def _sync() -> None:
     """Wait for the device when the benchmark runs on CUDA (``run.py --device cuda``)."""
@@ -20,15 +22,17 @@ def fenced_median(fn: Callable[[], object], iters: int) -> float:
     """Median seconds of `iters` calls of `fn`, each between two barriers, after one warm-up call.
 
     On CUDA the device is synchronized before each barrier, so a call's time
-    includes its kernels and collectives, not only their launch.
+    includes its kernels and collectives, not only their launch. An eager result
+    whose collective is still in flight (funcoll's and funcol's return before
+    their data arrives) is waited for inside the timed call (``funcoll.wait``).
     """
-    fn()
+    funcoll.wait(fn())
     times = []
     for _ in range(iters):
         _sync()
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
+        funcoll.wait(fn())
         _sync()
         dist.barrier()
         times.append(time.perf_counter() - t0)

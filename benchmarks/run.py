@@ -1,6 +1,6 @@
 """Every benchmark family in one command: one JSON of results, one plot per family, the ratio tables.
 
-Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked row_kernels]
+Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked overlap row_kernels]
 [--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--out docs/results] [--quick] [--replot]``
 
 Families (each one's own script documents its methods):
@@ -22,6 +22,11 @@ Families (each one's own script documents its methods):
   and compiled, with the host reads per step;
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
   ``funcoll.set_checks(True)`` against the same step unchecked;
+- ``overlap`` (``bench_overlap.py``): a step that issues a collective, runs
+  independent work (a sleeping custom op, or a matmul), then reads the result:
+  the fraction of the collective it hides and its time against funcol's same
+  step, eager and compiled (aot_eager, inductor, inductor with its overlap
+  passes), funcol beside every funcoll op family;
 - ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):
   the pad and the cut around a padded all_gather, funcoll's Triton kernels against
   its torch ops, float32. On CPU it is skipped, and says so.
@@ -64,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the family scripts i
 import bench_checked
 import bench_dtensor
 import bench_moe
+import bench_overlap
 import bench_ragged_gather
 import bench_row_kernels
 import sweep_ragged
@@ -196,6 +202,26 @@ def _checked(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: 
     return records
 
 
+def _overlap(worlds: list[int], mibs: list[float], iters: int, rounds: int, on: Setup) -> list[Record]:
+    """The step's time and the fraction of the collective it hides, per mode and form of work."""
+    modes = ["eager"] if on.quick else list(bench_overlap.MODES)
+    ops = ["funcoll.all_gather"] if on.quick else None  # funcol's baselines always run
+    records = []
+    for world in worlds:
+        for mib in [1.0] if on.quick else mibs:
+            rows = run_ranks(on.wrap(bench_overlap._bench), world, mib, rounds, iters, modes, ops,
+                             timeout=3600, backend=on.backend)[0]  # fmt: skip
+            for r in rows:
+                base = bench_overlap.baseline(rows, r)
+                records.append({
+                    "family": "overlap", "world": world, "layout": f"{r['mode']}, {r['form']}",
+                    "bytes": int(mib * 2**20), "impl": r["impl"], "seconds": r["step_ms"] / 1e3,
+                    "ratio": r["step_ms"] / base["step_ms"], "hidden": r["hidden"],
+                    "hidden_range": r["hidden_range"], "call_over_comm": r["call_over_comm"],
+                })  # fmt: skip
+    return records
+
+
 def _row_kernels(
     worlds: list[int], sizes_mb: list[float], iters: int, rounds: int, on: Setup
 ) -> list[Record]:
@@ -220,11 +246,12 @@ FAMILIES: dict[str, tuple[list[float], int, int]] = {
     "dtensor": ([1, 8, 32], 7, 1),
     "moe": ([256, 1024, 4096, 16384], 3, 5),
     "checked": ([64, 1024, 16384], 5, 5),
+    "overlap": ([16], 3, 3),
     "row_kernels": ([4, 64], 50, 1),
 }
 RUNS: dict[str, Callable[..., list[Record]]] = {
     "gather": _gather, "sweep": _sweep, "dtensor": _dtensor, "moe": _moe, "checked": _checked,
-    "row_kernels": _row_kernels,
+    "overlap": _overlap, "row_kernels": _row_kernels,
 }  # fmt: skip
 # Families that run only on some devices: why they are skipped elsewhere.
 NEEDS_CUDA = {"row_kernels": "funcoll's Triton kernels serve CUDA tensors; run with --device cuda"}

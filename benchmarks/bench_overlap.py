@@ -1,0 +1,269 @@
+"""How much of a collective's time a step hides behind independent work: funcol beside funcoll.
+
+Run: ``python benchmarks/bench_overlap.py [--worlds 2 4] [--mib 16] [--rounds 3] [--quick]``
+
+The step issues a collective on `x`, runs work that does not read its result,
+then reads the result (``coll(x).sum() + work(w)``)::
+
+    hidden = (comm + compute - step) / comm
+
+with ``comm`` the collective and its read alone, ``compute`` the work alone and
+``step`` both; 1 is full overlap, 0 none. Each rank holds `mib` MiB of float32
+rows (the ragged ops: rank r holds ``r + 1`` parts of the rows, scaled so the
+total equals the even ops'). The independent work has two forms:
+
+- ``sleep``: a custom op (``funcoll_bench::sleep``) that sleeps for the
+  collective's own measured time and returns its input plus one: like a GPU
+  kernel, it leaves the host's cores to the communication, and as a custom op it
+  stays in a compiled graph, where inductor schedules it as an extern kernel;
+- ``matmul``: a float32 matmul sized to take about as long on this machine (on
+  the CPU it competes with gloo for the cores: a harder case than a GPU's).
+
+Modes: eager, then ``torch.compile(fullgraph=True)`` with aot_eager, inductor as
+configured by default, and inductor with its overlap passes
+(``reorder_for_compute_comm_overlap`` with sink-waits, raise-comms and
+reorder-compute). Every variant of a (world, form, mode) runs interleaved in one
+process over `rounds` rounds of barrier-fenced calls; a time is the median of
+the slowest rank's per-round medians. The step's ratio is the funcoll step over
+funcol's step of the same collective kind in the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from _timing import fenced_median  # benchmarks/, beside this script
+
+import funcoll
+from funcoll.testing import run_ranks
+
+ROW = 1024  # float32 elements per row: 4 KiB
+# funcol's public wrappers, by their names on this release (torch 2.13 renamed the two below).
+_AG = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_RS = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+@torch.library.custom_op("funcoll_bench::sleep", mutates_args=())
+def sleep(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """Independent work that takes `seconds` and leaves the cores free: ``x + 1`` after a sleep."""
+    time.sleep(seconds)
+    return x + 1
+
+
+@sleep.register_fake
+def _sleep_fake(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _ragged_rows(rank: int, world: int, rows: int) -> list[int]:
+    """Every rank's rows, rank r holding r + 1 parts, summing to ``world * rows``."""
+    parts = world * (world + 1) // 2
+    sizes = [world * rows * (r + 1) // parts for r in range(world)]
+    sizes[-1] += world * rows - sum(sizes)
+    return sizes
+
+
+def _collectives(rank: int, world: int, rows: int) -> dict[str, tuple[str, Callable[..., torch.Tensor], Any]]:
+    """name -> (the funcol baseline it is compared with, the collective, its input)."""
+    group = dist.group.WORLD
+    name = group.group_name
+    sizes = _ragged_rows(rank, world, rows)
+    even = torch.randn(rows, ROW)
+    mine = torch.randn(sizes[rank], ROW)
+    return {
+        "funcol all_gather": ("all_gather", lambda t: _AG(t, 0, name), even),
+        "funcoll.all_gather": ("all_gather", lambda t: funcoll.all_gather(t), even),
+        "funcoll.gather": ("all_gather", lambda t: funcoll.gather(t), mine),
+        "funcoll.gather(sizes=)": ("all_gather", lambda t: funcoll.gather(t, sizes=sizes), mine),
+        'funcoll.gather(strategy="pad")': (
+            "all_gather",
+            lambda t: funcoll.gather(t, sizes=sizes, strategy="pad"),
+            mine,
+        ),
+        "funcoll.gather_padded": (
+            "all_gather",
+            lambda t: funcoll.gather_padded(t, sizes[rank])[0],
+            _padded(mine, rows, world),
+        ),
+        "funcol reduce_scatter": ("reduce_scatter", lambda t: _RS(t, "sum", 0, name), even),
+        "funcoll.reduce_scatter": ("reduce_scatter", lambda t: funcoll.reduce_scatter(t), even),
+        "funcol all_to_all": ("all_to_all", lambda t: funcol.all_to_all_single(t, None, None, name), even),
+        "funcoll.all_to_all": ("all_to_all", lambda t: funcoll.all_to_all(t, None, 0, 0), even),
+        "funcoll.all_to_all_v": (
+            "all_to_all",
+            lambda t: funcoll.all_to_all_v(t, [rows // world] * world)[0],
+            even,
+        ),
+    }
+
+
+def _padded(mine: torch.Tensor, rows: int, world: int) -> torch.Tensor:
+    """`mine` in a buffer of the largest rank's rows (what gather_padded sends)."""
+    bound = max(_ragged_rows(0, world, rows))
+    return torch.cat([mine, mine.new_zeros(bound - mine.shape[0], *mine.shape[1:])])
+
+
+@contextlib.contextmanager
+def _overlap_passes() -> Iterator[None]:
+    from torch._inductor import config
+
+    passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
+    with config.patch(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=passes):
+        yield
+
+
+MODES: dict[str, tuple[str | None, Callable[[], Any]]] = {
+    "eager": (None, contextlib.nullcontext),
+    "aot_eager": ("aot_eager", contextlib.nullcontext),
+    "inductor": ("inductor", contextlib.nullcontext),
+    "inductor+overlap": ("inductor", _overlap_passes),
+}
+
+
+FORMS = ("sleep", "matmul")
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's time (every rank gets it)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _matmul_side(seconds: float) -> torch.Tensor:
+    """A square matrix whose matmul with itself takes about `seconds` here (the same side on every rank)."""
+    n = 256
+    while True:
+        a = torch.randn(n, n)
+        took = _slowest(fenced_median(lambda a=a: a @ a, 3))  # every rank decides alike
+        if took >= seconds or n >= 4096:
+            return a
+        n = int(n * min(2.0, max(1.1, (seconds / took) ** (1 / 3))))
+
+
+def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
+           names: list[str] | None, forms: tuple[str, ...] = FORMS) -> list[dict[str, Any]]:  # fmt: skip
+    rows = max(world, int(mib * 2**20) // (ROW * 4) // world * world)
+    colls = _collectives(rank, world, rows)
+    if names:  # those asked for, and funcol's of the same kinds
+        kinds = {colls[k][0] for k in names}
+        colls = {k: v for k, v in colls.items() if k in names or (k.startswith("funcol ") and v[0] in kinds)}
+    out = []
+    for mode in modes:
+        backend, ctx = MODES[mode]
+        for form in forms:
+            with ctx():
+                steps: dict[str, dict[str, Callable[[], Any]]] = {}
+                for name, (_kind, coll, x) in colls.items():
+                    comm_alone = _slowest(fenced_median(lambda c=coll, x=x: c(x).sum(), iters))
+                    work, w = _work(form, comm_alone)
+
+                    def comm(c=coll, x=x) -> torch.Tensor:
+                        return c(x).sum()
+
+                    def compute(work=work, w=w) -> torch.Tensor:
+                        return work(w).sum()
+
+                    def step(c=coll, x=x, work=work, w=w) -> torch.Tensor:
+                        y = c(x)
+                        z = work(w)
+                        return y.sum() + z.sum()
+
+                    fns = {"comm": comm, "compute": compute, "step": step}
+                    if backend is not None:
+                        fns = {k: torch.compile(f, fullgraph=True, backend=backend) for k, f in fns.items()}
+                    for f in fns.values():
+                        f()  # compile and warm up outside the timing
+                    steps[name] = fns
+                times: dict[str, dict[str, list[float]]] = {n: {"comm": [], "compute": [], "step": [],
+                                                               "call": []} for n in steps}  # fmt: skip
+                for _ in range(rounds):  # interleaved: drift hits every variant alike
+                    for name, fns in steps.items():
+                        for part, f in fns.items():
+                            times[name][part].append(_slowest(fenced_median(f, iters)))
+                        if backend is None:
+                            times[name]["call"].append(
+                                _slowest(_call_time(colls[name][1], colls[name][2], iters))
+                            )
+            for name, t in times.items():
+                comm, compute, step = (statistics.median(t[k]) for k in ("comm", "compute", "step"))
+                out.append({"mode": mode, "form": form, "impl": name, "kind": colls[name][0],
+                            "comm_ms": 1e3 * comm, "compute_ms": 1e3 * compute, "step_ms": 1e3 * step,
+                            "hidden": (comm + compute - step) / comm,
+                            "hidden_range": _hidden_range(t),
+                            "call_over_comm": statistics.median(t["call"]) / comm if t["call"] else None})  # fmt: skip
+    return out
+
+
+def _hidden_range(t: dict[str, list[float]]) -> tuple[float, float]:
+    per_round = [(c + w - s) / c for c, w, s in zip(t["comm"], t["compute"], t["step"], strict=True)]
+    return min(per_round), max(per_round)
+
+
+def _call_time(coll: Callable[..., torch.Tensor], x: torch.Tensor, iters: int) -> float:
+    """Eager: how long the call itself takes to return (its result is read after the timer stops)."""
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = coll(x)
+        times.append(time.perf_counter() - t0)
+        funcoll.wait(y)
+    return statistics.median(times)
+
+
+def _work(form: str, seconds: float) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    if form == "sleep":
+        return (lambda w, s=seconds: torch.ops.funcoll_bench.sleep(w, s)), torch.zeros(4)
+    a = _matmul_side(seconds)
+    return (lambda w: w @ w), a
+
+
+def baseline(rows: list[dict[str, Any]], r: dict[str, Any]) -> dict[str, Any]:
+    """funcol's row of the same mode, form and collective kind as `r`."""
+    return next(b for b in rows if b["mode"] == r["mode"] and b["form"] == r["form"]
+                and b["kind"] == r["kind"] and b["impl"].startswith("funcol "))  # fmt: skip
+
+
+def _opt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--mib", type=float, default=16.0, help="payload per rank")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=3, help="fenced calls per round (median)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--ops", nargs="*", default=None, help="funcoll variants to run (funcol's always run)"
+    )
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.worlds, args.mib, args.rounds, args.iters, args.modes = [2], 1.0, 1, 1, ["eager"]
+    print(f"torch {torch.__version__}, gloo on CPU, {args.mib:g} MiB per rank")
+    print("| world | mode | work | impl | hidden | range | step / funcol's | call / comm |")
+    print("|---:|---|---|---|---:|---|---:|---:|")
+    for world in args.worlds:
+        rows = run_ranks(
+            _bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops, timeout=3600
+        )[0]
+        for r in rows:
+            base = baseline(rows, r)
+            lo, hi = r["hidden_range"]
+            print(f"| {world} | {r['mode']} | {r['form']} | {r['impl']} | {r['hidden']:.0%} | {lo:.0%} to {hi:.0%} "
+                  f"| {r['step_ms'] / base['step_ms']:.2f} | {_opt(r['call_over_comm'])} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
