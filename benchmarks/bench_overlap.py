@@ -151,6 +151,10 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
            names: list[str] | None, forms: tuple[str, ...] = FORMS) -> list[dict[str, Any]]:  # fmt: skip
+    # Every variant's step is the same code object with other defaults: one graph each.
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 256)
     rows = max(world, int(mib * 2**20) // (ROW * 4) // world * world)
     colls = _collectives(rank, world, rows)
     if names:  # those asked for, and funcol's of the same kinds
@@ -244,9 +248,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3, help="fenced calls per round (median)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument(
-        "--ops", nargs="*", default=None, help="funcoll variants to run (funcol's always run)"
-    )
+    parser.add_argument("--ops", nargs="*", default=None, help="funcoll variants (funcol's of their kinds run too)")
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -255,9 +258,8 @@ def main() -> None:
     print("| world | mode | work | impl | hidden | range | step / funcol's | call / comm |")
     print("|---:|---|---|---|---:|---|---:|---:|")
     for world in args.worlds:
-        rows = run_ranks(
-            _bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops, timeout=3600
-        )[0]
+        rows = run_ranks(_bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops, tuple(args.forms),
+                         timeout=3600)[0]  # fmt: skip
         for r in rows:
             base = baseline(rows, r)
             lo, hi = r["hidden_range"]
