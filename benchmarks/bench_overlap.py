@@ -248,7 +248,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3, help="fenced calls per round (median)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--ops", nargs="*", default=None, help="funcoll variants (funcol's of their kinds run too)")
+    parser.add_argument(
+        "--ops", nargs="*", default=None, help="funcoll variants (funcol's of their kinds run too)"
+    )
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
     args = parser.parse_args()

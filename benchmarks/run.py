@@ -278,6 +278,7 @@ _X_LABEL = {
     "dtensor": "bytes of the global tensor",
     "moe": "bytes a rank dispatches (T * k * H * 4)",
     "checked": "bytes per rank",
+    "overlap": "bytes per rank (the step's time; its hidden fraction is in the JSON)",
     "row_kernels": "bytes of rows in all",
 }
 # Legend names of the records' short implementation names, where those do not say what ran.

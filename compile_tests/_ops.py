@@ -55,7 +55,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import _spec, compat
-from funcoll.testing import RankError, in_flight, run_ranks
+from funcoll.testing import RankError, in_flight, run_ranks, settled
 
 __all__ = [
     "A2A",
@@ -805,11 +805,12 @@ def run_case(case: OpCase, rank: int, world: int, fn: Callable[..., Any] | None 
             loss.backward()
         if case.writes_input is not None:
             outputs.append(inputs[case.writes_input])
-        return {
-            "outputs": [None if o is None else o.detach().clone() for o in outputs],
-            "grads": [inputs[i].grad for i in case.grad_inputs],
-            "in_flight": in_flight(),
-        }
+        return settled(
+            {
+                "outputs": [None if o is None else o.detach().clone() for o in outputs],
+                "grads": [inputs[i].grad for i in case.grad_inputs],
+            }
+        )
     except Exception:  # noqa: BLE001 -- any failure is a result the test reports
         return {"error": traceback.format_exc(limit=-8)}
 

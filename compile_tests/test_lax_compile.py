@@ -41,7 +41,7 @@ from torch import Tensor
 import funcoll
 import funcoll.lax as lax
 from funcoll import P
-from funcoll.testing import in_flight, run_ranks
+from funcoll.testing import run_ranks, settled
 
 WORLD = 4
 TIMEOUT_S = 240.0
@@ -100,7 +100,7 @@ def _run(fn: Callable[[Tensor], Any], x: Tensor, w: Tensor) -> dict[str, Tensor]
     x = x.clone().requires_grad_()
     y = fn(x)
     (y * w).sum().backward()
-    return {"y": y.detach(), "grad": x.grad, "in_flight": in_flight()}
+    return settled({"y": y.detach(), "grad": x.grad})
 
 
 # ---------------------------------------------------------------------------- the ports
@@ -210,8 +210,8 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 y = f(*inputs)
                 full = y.full_tensor()
                 (full * _port_weight(name, tuple(full.shape))).sum().backward()
-                runs[kind] = {"y": full.detach(), "placements": [str(p) for p in y.placements],
-                              "grads": [t.grad for t in inputs], "in_flight": in_flight()}  # fmt: skip
+                runs[kind] = settled({"y": full.detach(), "placements": [str(p) for p in y.placements],
+                                      "grads": [t.grad for t in inputs]})  # fmt: skip
             out[name] = runs
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc(limit=-10)}
@@ -227,9 +227,8 @@ def body(rank: int, world: int) -> dict[str, Any]:
         y = compiled(*inputs)
         full = y.full_tensor()
         (full * _port_weight("megatron_mlp", tuple(full.shape))).sum().backward()
-        out[DTENSOR_PORT] = {"compiled": {"y": full.detach(), "placements": [str(p) for p in y.placements],
-                                          "grads": [t.grad.full_tensor() for t in inputs],
-                                          "in_flight": in_flight()}}  # fmt: skip
+        out[DTENSOR_PORT] = {"compiled": settled({"y": full.detach(), "placements": [str(p) for p in y.placements],
+                                                  "grads": [t.grad.full_tensor() for t in inputs]})}  # fmt: skip
     except Exception:  # noqa: BLE001
         out[DTENSOR_PORT] = {"error": traceback.format_exc(limit=-10)}
     out["graph_breaks"] = dict(counters["graph_break"])

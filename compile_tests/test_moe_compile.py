@@ -113,8 +113,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(step_fn, fullgraph=True, backend=counter)
         got, capacities = _steps(compiled, rank, world, mode)
+        got = funcoll.wait(got)  # the eager backward's gradients may still be arriving
         left = {"compiled": in_flight()}
         eager, eager_capacities = _steps(step_fn, rank, world, mode)
+        eager = funcoll.wait(eager)
         left["eager"] = in_flight()
         assert capacities == eager_capacities, (capacities, eager_capacities)
         res[mode] = {
