@@ -62,8 +62,6 @@ class _Ticket:
         # is left in c10d's registry (a leak, and "unwaited collective calls" at exit).
         # The peers issued this collective before anything later, so the wait ends.
         # A failure here has no caller to raise to: it is a warning naming the op.
-        if self.done:
-            return
         try:
             self.wait()
         except RuntimeError as e:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from ._async import wait
 
 ROWS = 16  # rows per program
 
@@ -108,7 +109,7 @@ def _launch(kernel: triton.JITFunction, src: Tensor, dst: Tensor, *args: object,
     that a collective is still filling (an eager result, funcoll._async) is
     waited for first: on CUDA that makes the launching stream wait, not the host.
     """
-    src, args = _arrived(src), tuple(_arrived(a) for a in args)
+    src, args = wait((src, args))
     s, d = _words(src.contiguous(), dst)
     n_dst, row_words = d.shape
     if n_dst == 0 or row_words == 0:
@@ -116,10 +117,6 @@ def _launch(kernel: triton.JITFunction, src: Tensor, dst: Tensor, *args: object,
     block = min(1024, triton.next_power_of_2(row_words))
     grid = (triton.cdiv(n_dst, ROWS), triton.cdiv(row_words, block))
     kernel[grid](s, d, n_dst, row_words, *args, ROWS=ROWS, BLOCK=block, **meta)
-
-
-def _arrived(t: object) -> object:
-    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _world_meta(sizes: Tensor) -> dict[str, int]:
