@@ -13,15 +13,14 @@ W``, all_to_all_single split lists of length W) and the group's name, and that
 all_gather's output holds W blocks. Every world size runs in a subprocess of its own
 (``run_ranks`` with one rank, which then replaces its group by a fake one of W ranks).
 
-Every op is traced forward and backward at 8, 64 and 1024 ranks, but for four
-cases, to keep the suite's time: the ragged gather's "shift" (1023 shifted
-all_to_alls; "auto" is one all_to_all up to 64 ranks and pads past them) and
-all_to_all with uneven heads (1024 received pieces, each of its own width) are
-traced up to 64; ``all_gather_list`` (1024 outputs, 2 minutes to trace) at 8, 64
-and 256; ``all_to_all_v`` with exchanged sizes forward at 1024 and backward up to
-64 (its output length is a sum of 1024 unbacked sizes, which the partitioner
-re-evaluates for every node of the backward). At 1024 the sizes of a ragged op are
-1024 unbacked symbols.
+Every op is traced forward and backward at 8 and 64 ranks. At 1024 ranks, every
+case that exchanges no sizes: the even ops, the padded ones, and the ragged ops given
+their sizes (1024 unbacked symbols), but for all_to_all with uneven heads (1024
+received pieces, each of its own width). An op that exchanges sizes traces
+1024 unbacked sizes, and the partitioner re-evaluates their sums for every node:
+30 to 90 seconds an op at 1024, a tenth of that at 256. Their graphs' structure does
+not change past 64 ranks but for the ragged gather's "auto", which is one
+all_to_all up to 64 ranks and pads past them: it is traced at 256.
 """
 
 from __future__ import annotations
@@ -54,20 +53,14 @@ from funcoll.testing import run_ranks
 # The cases marked `at_scale` in _ops.CASES: one or two per op and argument set.
 _ALL = tuple(c.id for c in CASES if c.at_scale)
 # world -> {case id: trace the backward too}
-_LIST = "all_gather_list-ragged-x_nx5-dim0"
-_A2AV_EXCHANGED = "all_to_all_v-recv-exchanged-x_nx5"
-# Traced at 8 and 64 only: at 1024 "shift" is 1023 shifted all_to_alls, and the
-# uneven heads split what arrives into 1024 pieces of different widths.
-_NOT_AT_1024 = ("gather-shift-ragged-x_nx5-dim0", "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2")
+_AUTO = "gather-auto-ragged-x_nx5-dim0"
+# The uneven heads split what arrives into 1024 pieces of different widths.
+_HEADS = "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2"
 PLAN: dict[int, dict[str, bool]] = {
     8: dict.fromkeys(_ALL, True),
     64: dict.fromkeys(_ALL, True),
-    # all_gather_list's 1024 outputs take 2 minutes to trace (forward alone): 256 keeps
-    # it far past any world a machine here has, at a tenth of the cost.
-    256: {_LIST: True},
-    # all_to_all_v's exchanged backward re-evaluates a sum of 1024 sizes for every node
-    # (over a minute): its forward is traced at 1024, its backward up to 64.
-    1024: {c: c != _A2AV_EXCHANGED for c in _ALL if c not in (*_NOT_AT_1024, _LIST)},
+    256: {_AUTO: True},  # past 64 ranks, "auto" pads
+    1024: {c: True for c in _ALL if not CASES_BY_ID[c].exchanges_sizes and c != _HEADS},
 }
 
 

@@ -2,13 +2,18 @@
 
 For each case of ``_ops.CASES`` on 2 real gloo ranks, every rank runs the op eagerly
 and under ``torch.compile(fullgraph=True, backend="aot_eager")`` with ``dynamic``
-None, True and False (on 3 ranks: None), then the backward of a seeded loss. The compiled
+None and True (on 3 ranks: None), then the backward of a seeded loss. The compiled
 outputs and input gradients must equal the eager ones and the single-process
-reference. ``torch._dynamo.explain`` (which compiles without fullgraph, the case
-where a ``.tolist()`` can break the graph) must report no graph break.
+reference. ``dynamic=False`` is not run: on a first call it traces what ``None``
+traces (static sizes, ``mark_dynamic``/``mark_unbacked`` honoured by both), and
+every case is called once. ``torch._dynamo.explain`` (which compiles without
+fullgraph, the case where a ``.tolist()`` can break the graph) must report no graph
+break for every op that reads exchanged sizes on the host; for the others a
+fullgraph compile is already the proof.
 
-Every case also goes through the inductor backend (CPU here) on 2 ranks, with the
-same three ``dynamic`` settings: its results must match too, and the code inductor
+Every case also goes through the inductor backend (CPU here) on 2 ranks, with
+``dynamic=None``, and ``True`` too for the ops that exchange sizes (the others'
+symbolic shapes run on aot_eager): its results must match too, and the code inductor
 generates (``run_and_get_code``) must call each collective the graph tests expect
 (``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
 ``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
@@ -49,16 +54,23 @@ from torch.testing import FileCheck
 
 # world -> (the `dynamic` settings compiled, whether explain runs). World 3 compiles
 # with the default setting only, to keep this file within its time budget: the
-# three settings and explain differ in how shapes are traced, which world 2 covers.
+# settings and explain differ in how shapes are traced, which world 2 covers.
 GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
-    2: ((None, True, False), True),
+    2: ((None, True), True),
     3: ((None,), False),
 }
 if SMOKE:  # the release matrix: every case, fewer variants (_ops.SMOKE)
     GRID = {2: ((None,), False)}
 KNOWN_BUG_TIMEOUT_S = 30.0  # a known bug's batch alone: ample for one case's compiles, short if it hangs
 INDUCTOR_WORLD = 2
-INDUCTOR_DYNAMICS: tuple[bool | None, ...] = (None,) if SMOKE else (None, True, False)
+INDUCTOR_DYNAMICS: tuple[bool | None, ...] = (None,) if SMOKE else (None, True)
+
+
+def _inductor_dynamics(case: OpCase) -> tuple[bool | None, ...]:
+    """dynamic=True on inductor for the ops that exchange sizes only: the suite's time."""
+    return INDUCTOR_DYNAMICS if case.exchanges_sizes else (None,)
+
+
 # At 3 ranks the "shift" ragged all-gather issues two all_to_all_singles (one per
 # shift), whose order inductor must keep on every rank: the ragged gathers also run there.
 INDUCTOR_WORLD3_CASES: tuple[str, ...] = (
@@ -80,6 +92,8 @@ def _compile_and_run(
     case = CASES_BY_ID[case_id]
     res: dict[Any, Any] = {"eager": run_case(case, rank, world)}
     for d in dynamics:
+        if backend == "inductor" and d not in _inductor_dynamics(case):
+            continue
         if has_error(res):
             return res  # stop at the first error: the ranks may be out of step
         torch._dynamo.reset()  # one step function recompiled per case would trip the recompile limit
@@ -93,7 +107,7 @@ def _compile_and_run(
                 res[("compiled", d)] = {"error": traceback.format_exc(limit=-8)}
         else:
             res[("compiled", d)] = run_case(case, rank, world, compiled)
-    if explain and not has_error(res):
+    if explain and case.exchanges_sizes and not has_error(res):
         torch._dynamo.reset()
         try:
             res["graph_breaks"] = torch._dynamo.explain(case.call)(
@@ -210,6 +224,7 @@ def _explain_params() -> list:
         for world, (_, explain) in GRID.items()
         if explain
         for case in _cases_for(world)
+        if case.exchanges_sizes
     ]
 
 
@@ -226,7 +241,7 @@ def _inductor_params() -> list:
     return [
         pytest.param(case, d, id=f"w{INDUCTOR_WORLD}-{case.id}-dynamic={d}", marks=_xfail_known(case))
         for case in _cases_for(INDUCTOR_WORLD)
-        for d in INDUCTOR_DYNAMICS
+        for d in _inductor_dynamics(case)
     ]
 
 

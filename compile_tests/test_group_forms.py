@@ -7,8 +7,11 @@ by index or name. Each form reaches dynamo differently (an opaque script object
 as a graph input, a constant from a closure cell or a module attribute, a
 string), and each must resolve inside the compiled region with no graph break.
 
-For every case of ``_ops.CASES`` that takes a group and every form below, each
-rank compiles ``case.call`` with ``fullgraph=True`` on a backend that records the
+For every case of ``_ops.CASES`` that takes a group, with the group held on a
+module (``subgroup-attribute``, the Megatron/DeepSpeed form) and as a 2-rank
+subgroup of 3 ranks, and for ``_ops.SMOKE_GROUP_CASES`` (an even collective, a
+ragged one, an uneven all_to_all: the three ways a group reaches a collective's
+arguments) with each other form, each rank compiles ``case.call`` with ``fullgraph=True`` on a backend that records the
 AOT forward and backward graphs (min-cut partitioned, as aot_eager and inductor
 split them) and runs them. The outputs and input gradients must equal the
 single-process reference; each graph must hold the case's expected collectives,
@@ -62,12 +65,16 @@ FORMS_W2 = (
 )
 FORMS_W3 = ("sub01-of-3",)
 INDUCTOR_CASE = "gather-auto-ragged-x_nx5-dim0"
+# The forms that run every case; the others run SMOKE_GROUP_CASES (the form decides how
+# the group reaches the op: every op hands it to the same resolver).
+EVERY_CASE_FORMS = ("subgroup-attribute", "sub01-of-3")
 
 
-def _cases(size: int) -> list[OpCase]:
-    return [
+def _cases(size: int, form: str) -> list[OpCase]:
+    cases = [
         c for c in CASES if c.takes_group and size >= c.min_world and (not SMOKE or c.id in SMOKE_GROUP_CASES)
     ]
+    return cases if form in EVERY_CASE_FORMS else [c for c in cases if c.id in SMOKE_GROUP_CASES]
 
 
 # ------------------------------------------------------------------------- rank side
@@ -173,8 +180,7 @@ def _group_pg(form: str, world: int) -> dist.ProcessGroup:
 
 # ----------------------------------------------------------------------- parent side
 def _keys(forms: tuple[str, ...], size: int, case_ids: list[str] | None = None) -> list[str]:
-    ids = case_ids or [c.id for c in _cases(size)]
-    return [f"{form}|{cid}" for form in forms for cid in ids]
+    return [f"{form}|{cid}" for form in forms for cid in case_ids or [c.id for c in _cases(size, form)]]
 
 
 @functools.cache
@@ -240,7 +246,7 @@ def _params(forms: tuple[str, ...], world: int) -> list:
     return [
         pytest.param(world, form, case, id=f"w{world}-{form}-{case.id}")
         for form in forms
-        for case in _cases(2)
+        for case in _cases(2, form)
     ]
 
 

@@ -8,8 +8,8 @@ funcoll's ragged ops must issue the same collective sequence in all those graphs
 (the size exchange, then a fixed set of collectives), or the ranks would mismatch:
 a gloo error, garbage, or a hang. ``run_ranks``' timeout turns a hang into a failure.
 
-Each case is one compiled function per op and per ``dynamic=`` mode (None, True
-and False on 2 ranks, None on 4), called three times with the lengths {0, 1, 2, 7}
+Each case is one compiled function per op and per ``dynamic=`` mode (True on 2
+ranks, None on 4), called three times with the lengths {0, 1, 2, 7}
 spread over the ranks and permuted between calls, so that some ranks reuse a
 graph while others compile a new one. Forward and input gradients (float64) are
 compared with a single-process reference built from every rank's input, and a
@@ -21,7 +21,7 @@ capacity that drops nothing), on 4 ranks: each rank routes its tokens over every
 rank's experts in its own pattern, and a rank with no tokens still joins every
 collective of the others.
 
-The mode ``"mixed"`` runs the op eagerly on the even ranks and compiled on the
+The mode ``"mixed"`` (on 2 ranks) runs the op eagerly on the even ranks and compiled on the
 odd ones: a rank whose recompile limit is hit, or whose frame fell back after an
 error, meets the others that way, so every choice an op makes (its strategy, the
 copies it skips) must be the same in eager and compiled code.
@@ -50,9 +50,13 @@ LENGTHS: dict[int, list[list[int]]] = {
 }
 # The `dynamic=` modes run per world. On world 4 the default (None) alone already
 # mixes graphs specialized to 0 or 1 with symbolic ones within one call (the second);
-# the other modes run on world 2 to keep the file's runtime down.
+# the other modes run on world 2 to keep the file's runtime down. dynamic=False is
+# not among them: it compiles a static graph per length, which None does on every
+# rank's first call and, for lengths 0 and 1, on later ones.
 Mode = bool | str | None  # a dynamic= mode, or "mixed": even ranks eager, odd ranks compiled
-DYNAMIC_MODES: dict[int, tuple[Mode, ...]] = {2: (None, True, False, "mixed"), 4: (None, "mixed")}
+DYNAMIC_MODES: dict[int, tuple[Mode, ...]] = {2: (True, "mixed"), 4: (None,)}
+# A case that runs on 4 ranks only (moe) meets eager ranks there: no 2-rank run has it.
+ONLY_AT_4_MODES: tuple[Mode, ...] = (None, "mixed")
 
 
 def _prefixed(where: str) -> Callable[[str], str]:
@@ -89,6 +93,10 @@ class Case:
     reference: Callable[[list[Tensor], list[int]], list[Tensor | None]]  # -> each rank's y
     grad: bool = True
     worlds: tuple[int, ...] = tuple(LENGTHS)  # the world sizes it runs at
+
+
+def _modes(world: int, case: Case) -> tuple[Mode, ...]:
+    return ONLY_AT_4_MODES if case.worlds == (4,) else DYNAMIC_MODES[world]
 
 
 def _no_arg(lengths: list[int], rank: int) -> None:
@@ -290,7 +298,9 @@ def _run_case(rank: int, world: int, case_index: int, dynamic: Mode) -> dict[str
 
 
 def _rank_body(rank: int, world: int, case_index: int) -> dict[Mode, dict[str, Any]]:
-    return {dynamic: _run_case(rank, world, case_index, dynamic) for dynamic in DYNAMIC_MODES[world]}
+    return {
+        dynamic: _run_case(rank, world, case_index, dynamic) for dynamic in _modes(world, CASES[case_index])
+    }
 
 
 _RESULTS: dict[tuple[int, int], list[dict[Mode, dict[str, Any]]] | BaseException] = {}
@@ -334,7 +344,7 @@ def _params() -> list[Any]:
                 r for (w, prefix), r in KNOWN_BUGS.items() if w == world and case.name.startswith(prefix)
             ]
             marks = [pytest.mark.xfail(strict=True, reason=reasons[0])] if reasons else []
-            for dynamic in DYNAMIC_MODES[world]:
+            for dynamic in _modes(world, case):
                 params.append(
                     pytest.param(world, i, dynamic, marks=marks, id=f"w{world}-{case.name}-dynamic={dynamic}")
                 )
