@@ -60,6 +60,7 @@ from torch import Tensor
 
 from . import _even, _prims
 from ._checks import IntLike, check_tensor
+from ._config import checks_enabled
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import host_ints
@@ -83,6 +84,9 @@ class MoEHandle:
         group: the communicator, as passed to dispatch.
         counts: int64 ``(E_local,)`` on ``x``'s device: the rows each local expert received.
         offsets: int64 ``(E_local,)``: where each local expert's block starts in ``recv``.
+        ends: int32 ``(E_local,)``: where each local expert's block ends in ``recv``
+            (the cumulative sum of the padded blocks), the ``offs`` a grouped GEMM
+            takes (``torch._grouped_mm(recv, w, offs=handle.ends)``).
         dropped: int64 0-d: this rank's (token, choice) pairs dropped for capacity (0 in exact mode).
         needed: int64 0-d: the capacity this rank needed to drop nothing, the most
             pairs it routed to one rank (static mode: compare with `capacity`).
@@ -97,6 +101,7 @@ class MoEHandle:
         recv_sizes: exact mode: rows received from each rank, host ints.
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
         kept: static mode: bool ``(T * k,)``, token-major: whether the pair was sent (not dropped).
+        topk_weights: the router's ``(T, k)`` weights if dispatch was given them, for combine.
     """
 
     mode: str
@@ -108,6 +113,7 @@ class MoEHandle:
     group: GroupLike
     counts: Tensor
     offsets: Tensor
+    ends: Tensor
     dropped: Tensor
     needed: Tensor
     send_index: Tensor
@@ -118,6 +124,7 @@ class MoEHandle:
     recv_sizes: list[int] | None = None
     recv_counts: Tensor | None = None
     kept: Tensor | None = None
+    topk_weights: Tensor | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -256,6 +263,8 @@ def _check_dispatch_args(
     mode: object,
     capacity: object,
     align: object,
+    counts: object = None,
+    topk_weights: object = None,
 ) -> tuple[Tensor, Tensor]:
     """Every argument check of :func:`dispatch`, before any communication."""
     opname = "funcoll.moe.dispatch"
@@ -298,6 +307,24 @@ def _check_dispatch_args(
         raise TypeError(f"{opname}: `align` must be an int, got {type(align).__name__}")
     if align < 1:  # type: ignore[operator]
         raise ValueError(f"{opname}: `align`={align} must be >= 1")
+    if counts is not None:
+        counts = check_tensor(opname, "counts", counts)
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"{opname}: `counts` must hold integer pair counts, got dtype {counts.dtype}")
+        if tuple(counts.shape) != (num_experts,):
+            raise ValueError(
+                f"{opname}: `counts` has shape {tuple(counts.shape)}, expected (num_experts,) = ({num_experts},): "
+                f"this rank's (token, choice) pairs routed to each expert"
+            )
+    if topk_weights is not None:
+        topk_weights = check_tensor(opname, "topk_weights", topk_weights)
+        if tuple(topk_weights.shape) != tuple(topk_idx.shape) and all(
+            isinstance(n, int) for n in (*topk_weights.shape, *topk_idx.shape)
+        ):
+            raise ValueError(
+                f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected `topk_idx`'s "
+                f"{tuple(topk_idx.shape)}: one weight per (token, choice)"
+            )
     return x, topk_idx
 
 
@@ -382,6 +409,11 @@ def _expert_layout(
     return source, dest, counts, offsets
 
 
+def _block_ends(offsets: Tensor, counts: Tensor, align: int) -> Tensor:
+    """int32 ``offsets + counts`` rounded up to `align`: each expert block's end, as grouped GEMMs take them."""
+    return (offsets + (counts + (align - 1)) // align * align).to(torch.int32)
+
+
 @public_op("moe.dispatch")
 def dispatch(
     x: Tensor,
@@ -392,6 +424,8 @@ def dispatch(
     mode: str | Dropless = "exact",
     capacity: int | None = None,
     align: int = 1,
+    counts: Tensor | None = None,
+    topk_weights: Tensor | None = None,
 ) -> tuple[Tensor, MoEHandle]:
     """Send each token's k routed copies to the ranks of their experts, grouped by local expert.
 
@@ -413,13 +447,20 @@ def dispatch(
             must then hold the same ``T``). Must be None in exact mode.
         align: each local expert's block in ``recv`` starts at a multiple of it
             and is padded with zero rows to one.
+        counts: ``(E,)`` integer, this rank's pairs routed to each expert, if the
+            caller has counted them already (torchtitan's router does): dispatch
+            then counts nothing itself. They must be ``topk_idx``'s counts; under
+            ``funcoll.set_checks(True)`` dispatch checks that they are.
+        topk_weights: ``(T, k)`` the router's weights, if the caller has them at
+            dispatch: kept in the handle for :func:`combine`, which then needs none.
 
     Returns:
         ``(recv, handle)``. ``recv`` is ``(R, H)``: local expert 0's rows, then
         expert 1's, ...; within an expert, rows from rank 0 first, each source's
         rows in its token order. ``handle.counts`` (int64 ``(E_local,)`` on ``x``'s
-        device) holds each expert's true row count and ``handle.offsets`` where its
-        block starts; rows outside the blocks are zero. Exact mode: ``R`` is the sum
+        device) holds each expert's true row count, ``handle.offsets`` where its
+        block starts and ``handle.ends`` (int32) where it ends, the ``offs`` of a
+        grouped GEMM; rows outside the blocks are zero. Exact mode: ``R`` is the sum
         of the counts, each rounded up to `align` (a data-dependent size: an
         unbacked SymInt when compiled). Static mode: ``R = world * C + E_local *
         (align - 1)`` rounded up to `align`, a static size.
@@ -441,14 +482,16 @@ def dispatch(
         # rank 0: recv = [[2], [5], [4]]   handle.counts = [2, 1]   (expert 0: 2 from rank 0, 5 from rank 1)
         # rank 1: recv = [[3], [1]]        handle.counts = [1, 1]   (expert 2: 3; expert 3: 1)
         recv, handle = dispatch(x, topk_idx, 4, align=2)
-        # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]
+        # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]   handle.ends = [2, 4]
     """
     opname = "funcoll.moe.dispatch"
     policy = mode if isinstance(mode, Dropless) else None
     if policy is not None:
         mode, capacity = policy._mode(capacity)
     g = resolve_group(opname, group)
-    x, topk_idx = _check_dispatch_args(x, topk_idx, num_experts, g.size, mode, capacity, align)
+    x, topk_idx = _check_dispatch_args(
+        x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
+    )
     world = g.size
     e_local = num_experts // world
     tokens, k = x.shape[0], topk_idx.shape[1]
@@ -459,6 +502,12 @@ def dispatch(
         f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
     )
     dest = expert // e_local
+    given = None if counts is None else counts.to(device=device, dtype=torch.int64)  # the caller's
+    if given is not None and checks_enabled():  # the caller's counts route the data: wrong ones misroute it
+        torch._assert_async(
+            (given == _count(expert, num_experts)).all(),
+            f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
+        )
     n_pairs = expert.shape[0]
     pairs = torch.arange(n_pairs, device=device)
     if mode == "exact":
@@ -469,7 +518,8 @@ def dispatch(
         send_index = order // k
     else:
         cap = n_pairs if capacity is None else capacity
-        wanted = _count(dest, world)  # pairs bound to each rank, before the capacity
+        # pairs bound to each rank, before the capacity
+        wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
         by_dest = torch.sort(dest, stable=True).indices  # token-major within each destination
         position = torch.empty_like(pairs).scatter_(
             0, by_dest, pairs - _exclusive(wanted)[dest[by_dest]]
@@ -502,7 +552,10 @@ def dispatch(
             send_rows = send_rows[: world * block]
         else:
             send_rows = _take(x, send_index, spare=True)
-    per_expert = _count(expert, num_experts, None if keep is None else keep.to(torch.int64))
+    if keep is None:
+        per_expert = _count(expert, num_experts) if given is None else given
+    else:
+        per_expert = _count(expert, num_experts, keep.to(torch.int64))
     needed = (per_expert.view(world, e_local).sum(1) if keep is None else wanted).max()
     # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
     recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
@@ -552,7 +605,8 @@ def dispatch(
     out = _take(recv, source, spare=mode == "exact" and align > 1)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
-        align=align, group=group, counts=counts, offsets=offsets, dropped=dropped, needed=needed,
+        align=align, group=group, counts=counts, offsets=offsets, ends=_block_ends(offsets, counts, align),
+        dropped=dropped, needed=needed, topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
         **extra,  # type: ignore[arg-type]
     )  # fmt: skip
@@ -562,14 +616,15 @@ def dispatch(
 
 
 @public_op("moe.combine")
-def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
+def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) -> Tensor:
     """Bring the experts' outputs back to their tokens and sum each token's k of them, weighted.
 
     Args:
         y: ``(R, H')`` the experts' outputs in the layout of :func:`dispatch`'s ``recv``
             (rows outside the experts' blocks are ignored).
         handle: what dispatch returned with ``recv``.
-        topk_weights: ``(T, k)`` the router's weights, on ``y``'s device.
+        topk_weights: ``(T, k)`` the router's weights, on ``y``'s device; None:
+            those given to dispatch (``handle.topk_weights``).
 
     Returns:
         ``(T, H')``: ``out[t] = sum_j topk_weights[t, j] * y_row(t, j)``, where
@@ -591,11 +646,18 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor) -> Tensor:
     """
     opname = "funcoll.moe.combine"
     y = check_tensor(opname, "y", y)
-    topk_weights = check_tensor(opname, "topk_weights", topk_weights)
     if not isinstance(handle, MoEHandle):
         raise TypeError(
             f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
         )
+    if topk_weights is None:
+        if handle.topk_weights is None:
+            raise TypeError(
+                f"{opname}: `topk_weights` is None and dispatch was given none: pass the router's weights "
+                f"to dispatch or to combine"
+            )
+        topk_weights = handle.topk_weights
+    topk_weights = check_tensor(opname, "topk_weights", topk_weights)
     if y.dim() != 2:
         raise ValueError(f"{opname}: `y` must be 2-D (rows, hidden), got shape {tuple(y.shape)}")
     rows = handle.recv_source.shape[0]

@@ -153,11 +153,21 @@ def run_experts(recv: Tensor, counts: Tensor, offsets: Tensor, weights: Tensor) 
 
 
 # ---------------------------------------------------------------------------------------- ranks
+def given_at_dispatch(case: Case) -> bool:
+    """Half the cases pass the caller's counts and the router weights to dispatch (as torchtitan does)."""
+    return zlib.crc32(case.id.encode()) % 2 == 1
+
+
 def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: Any) -> tuple[Tensor, ...]:
     capacity = case.capacity if case.mode == "static" else None
-    recv, h = moe.dispatch(x, idx, case.num_experts, mode=mode, capacity=capacity, align=case.align)
-    out = moe.combine(run_experts(recv, h.counts, h.offsets, weights), h, w)
-    return out, recv, h.counts, h.offsets, h.dropped
+    kw: dict[str, Any] = {"mode": mode, "capacity": capacity, "align": case.align}
+    if given_at_dispatch(case):
+        kw["counts"] = torch.bincount(idx.reshape(-1), minlength=case.num_experts).to(torch.int32)
+        kw["topk_weights"] = w
+    recv, h = moe.dispatch(x, idx, case.num_experts, **kw)
+    y = run_experts(recv, h.counts, h.offsets, weights)
+    out = moe.combine(y, h) if given_at_dispatch(case) else moe.combine(y, h, w)
+    return out, recv, h.counts, h.offsets, h.dropped, h.ends
 
 
 def run_case(case: Case, rank: int) -> dict[str, Any]:
@@ -170,7 +180,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     if case.mode == "dropless":  # two steps of the same batch through one policy
         assert case.capacity is not None
         policy = moe.Dropless(case.capacity)
-        out, recv, counts, offsets, dropped = policy.run(layer, case, x, idx, w, weights, policy)
+        out, recv, counts, offsets, dropped, ends = policy.run(layer, case, x, idx, w, weights, policy)
         extra["step0"] = (policy.replays, policy.capacity, policy.needed)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
@@ -178,13 +188,14 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends = layer(case, x, idx, w, weights, case.mode)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
     return {
         "recv": recv.detach(),
         "counts": counts,
         "offsets": offsets,
+        "ends": ends,
         "dropped": dropped,
         "out": out.detach(),
         "dx": grads[0],
@@ -231,7 +242,7 @@ def docstring_example(rank: int) -> dict[str, Any]:
     out = {"recv": recv.tolist(), "counts": handle.counts.tolist()}
     out["combined"] = moe.combine(recv, handle, topk_weights).tolist()
     recv, handle = moe.dispatch(x, topk_idx, 4, align=2)
-    out["aligned"], out["offsets"] = recv.tolist(), handle.offsets.tolist()
+    out["aligned"], out["offsets"], out["ends"] = recv.tolist(), handle.offsets.tolist(), handle.ends.tolist()
     # Dropless's example: rank 0 routes 3 pairs to rank 0, over the capacity of 2.
     policy = moe.Dropless(capacity=2)
 
@@ -387,6 +398,10 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         )
         assert got["counts"].dtype == torch.int64 and got["counts"].tolist() == ref["counts"][r], where
         assert got["offsets"].tolist() == ref["offsets"][r], where
+        # grouped GEMMs' offs: each block's end, its start plus its count padded to `align`
+        padded = [-(-c // case.align) * case.align for c in ref["counts"][r]]
+        want_ends = [o + p for o, p in zip(ref["offsets"][r], padded, strict=True)]
+        assert got["ends"].dtype == torch.int32 and got["ends"].tolist() == want_ends, where
         assert got["dropped"].dtype == torch.int64 and int(got["dropped"]) == ref["dropped"][r], where
         torch.testing.assert_close(got["out"], ref["out"][r], msg=lambda m, where=where: f"{where} out: {m}")
         torch.testing.assert_close(got["dx"], ref["dx"][r], msg=lambda m, where=where: f"{where} x.grad: {m}")
@@ -467,6 +482,7 @@ def test_docstring_examples_hold(batches: Batches) -> None:
     assert rank0["recv"] == [[2.0], [5.0], [4.0]] and rank0["counts"] == [2, 1]
     assert rank1["recv"] == [[3.0], [1.0]] and rank1["counts"] == [1, 1]
     assert rank0["aligned"] == [[2.0], [5.0], [4.0], [0.0]] and rank0["offsets"] == [0, 2]
+    assert rank0["ends"] == [2, 4]
     assert rank0["combined"] == [[0.5], [2.0], [6.0]] and rank1["combined"] == [[4.0], [5.0]]
     assert rank0["dropless"] == [[1.0], [2.0], [3.0]] and rank1["dropless"] == [[4.0]]
     assert rank0["policy"] == rank1["policy"] == (1, 4)
@@ -529,6 +545,22 @@ X, IDX = torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.int64)
         ({"capacity": 4}, ValueError, "funcoll.moe.dispatch: `capacity`=4 is for mode='static'"),
         ({"align": 0}, ValueError, "funcoll.moe.dispatch: `align`=0 must be >= 1"),
         ({"align": True}, TypeError, "funcoll.moe.dispatch: `align` must be an int"),
+        ({"counts": [2, 2, 2, 2]}, TypeError, "funcoll.moe.dispatch: `counts` must be a torch.Tensor"),
+        (
+            {"counts": torch.zeros(4)},
+            TypeError,
+            "funcoll.moe.dispatch: `counts` must hold integer pair counts",
+        ),
+        (
+            {"counts": torch.zeros(3, dtype=torch.int64)},
+            ValueError,
+            "funcoll.moe.dispatch: `counts` has shape (3,), expected (num_experts,) = (4,)",
+        ),
+        (
+            {"topk_weights": torch.ones(4, 1)},
+            ValueError,
+            "funcoll.moe.dispatch: `topk_weights` has shape (4, 1), expected `topk_idx`'s (4, 2)",
+        ),
     ],
     ids=lambda v: v.__name__ if isinstance(v, type) else None,
 )
@@ -563,6 +595,22 @@ def test_expert_id_out_of_range() -> None:
         moe.dispatch(X, IDX + 4, 4)
 
 
+def test_caller_counts_are_checked_only_with_checks_on() -> None:
+    wrong = torch.tensor([7, 1, 0, 0])  # IDX routes all 8 pairs to expert 0
+    with (
+        funcoll.set_checks(True),
+        pytest.raises(
+            RuntimeError,
+            match=r"funcoll.moe.dispatch: `counts` are not the counts of `topk_idx`'s expert ids",
+        ),
+    ):
+        moe.dispatch(X, IDX, 4, counts=wrong)
+    right = torch.tensor([8, 0, 0, 0], dtype=torch.int32)
+    with funcoll.set_checks(True):
+        recv, h = moe.dispatch(X, IDX, 4, counts=right)
+    assert h.counts.tolist() == [8, 0, 0, 0] and recv.shape == (8, 3)
+
+
 def test_combine_errors() -> None:
     recv, h = moe.dispatch(X, IDX, 4)
     w = torch.ones(4, 2)
@@ -576,6 +624,10 @@ def test_combine_errors() -> None:
         moe.combine(recv, (1, 2), w)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^funcoll.moe.combine: `y` must be a torch.Tensor"):
         moe.combine([1.0], h, w)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"^funcoll.moe.combine: `topk_weights` is None and dispatch was given"
+    ):
+        moe.combine(recv, h)
 
 
 def test_public_submodule() -> None:
