@@ -25,6 +25,7 @@ EXAMPLES = ROOT / "examples"
 # example file -> the world it runs on here (odd worlds where the example is about uneven splits)
 WORLDS = {
     "ulysses_attention.py": 3, "moe_dispatch.py": 3, "eval_gather.py": 3, "dtensor_model.py": 2, "moe_layer.py": 2,
+    "torchtitan_moe.py": 4,
 }  # fmt: skip
 # example file -> the extra arguments of its run() here (aot_eager: inductor's code generation costs
 # the suite time and is not what the example checks)

@@ -1,0 +1,329 @@
+"""funcoll's torchtitan token dispatcher inside torchtitan's own MoE layer, on real gloo ranks.
+
+Each rank builds torchtitan's ``MoE`` (its router, its ``GroupedExperts`` with bf16
+grouped GEMMs, its load-balancing counter) twice from the same seeded weights:
+once with torchtitan's ``AllToAllTokenDispatcher`` (``spmd_backend="partial_dtensor"``:
+the one that runs on gloo) and once with
+:class:`funcoll.integrations.torchtitan.FuncollTokenDispatcher`, each rank holding
+its ``E / world`` experts and the dispatchers wired to a 1-D ``ep`` mesh as
+torchtitan's ``RoutedExperts.parallelize`` wires them. Routings: the router's own,
+every token to experts 0 and 1, every token to rank 0's experts (the other ranks
+receive nothing), and (exact mode) a rank holding no tokens.
+
+Checked, per rank: the output and the gradients of the tokens, the router's gate
+and the local experts' weights against a dense single-process layer in float64 on
+every rank's tokens and the routing they chose (bf16 tolerances: torchtitan's
+experts compute in bf16), and against torchtitan's dispatcher (float32 tolerances:
+the same experts, the same bf16 GEMMs); the load-balancing counter after the step
+against the routing's counts (a forward side effect, once). The funcoll dispatcher
+also runs compiled (``fullgraph=True``, inductor, forward and backward) in three
+of the cases, against the dense layer.
+All cases of a world run in one ``run_ranks`` call.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from _inputs import once_per_world, seeded
+from torch import Tensor
+
+pytest.importorskip(
+    "torchtitan", reason="pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3; pip install tyro"
+)
+
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import (
+    GroupedExperts,
+    MoE,
+    RoutedExperts,
+    TokenChoiceTopKRouter,
+)
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+from funcoll.integrations.torchtitan import FuncollTokenDispatcher
+from funcoll.testing import in_flight
+
+WORLDS = (2, 4)
+E, K, D, F = 8, 2, 16, 24
+TOKENS = 7  # per rank (B = 1); "empty": rank 1 holds none
+ROUTINGS = ("router", "experts01", "rank0", "empty")
+# (name, FuncollTokenDispatcher.Config kwargs). Static: a capacity that drops nothing.
+MODES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("exact", {"mode": "exact"}),
+    ("exact-align4", {"mode": "exact", "align": 4}),
+    ("static", {"mode": "static", "capacity": TOKENS * K}),
+)
+PARAMS = ("x", "gate", "w1", "w2", "w3")
+# Compiled with inductor, forward and backward: the whole layer takes about 30 s a case here.
+COMPILED = ((2, "exact", "router"), (2, "exact-align4", "empty"), (2, "static", "rank0"))
+
+
+def _tokens(world: int, rank: int, routing: str) -> int:
+    return 0 if routing == "empty" and rank == 1 else TOKENS
+
+
+def _weights() -> dict[str, Tensor]:
+    """The global weights, float64: the gate (E, D) and every expert's w1, w3 (E, F, D), w2 (E, D, F)."""
+    scale = {"gate": 0.3, "w1": 0.3, "w2": 0.3, "w3": 0.3}
+    shapes = {"gate": (E, D), "w1": (E, F, D), "w2": (E, D, F), "w3": (E, F, D)}
+    return {n: seeded(s, torch.float64, "tt-weights", n) * scale[n] for n, s in shapes.items()}
+
+
+def _forced_ids(world: int, routing: str, tokens: int) -> Tensor | None:
+    """The (T, K) expert ids a routing forces, None for the router's own."""
+    if routing in ("router", "empty"):
+        return None
+    if routing == "experts01":
+        return torch.tensor([[0, 1]]).expand(tokens, K).contiguous()
+    e_local = E // world  # rank 0's experts: a rotation of its e_local ids
+    return torch.stack([(torch.arange(tokens) + j) % e_local for j in range(K)], 1)
+
+
+def _build(world: int, rank: int, dispatcher: Any, mesh: Any) -> MoE:
+    e_local = E // world
+    cfg = MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=e_local),
+            token_dispatcher=dispatcher,
+        ),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=K
+        ),
+    )
+    layer = cfg.build()
+    w = _weights()
+    mine = slice(rank * e_local, (rank + 1) * e_local)
+    experts = layer.routed_experts.inner_experts
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(w["gate"])
+        experts.w1_EFD.copy_(w["w1"][mine])
+        experts.w2_EDF.copy_(w["w2"][mine])
+        experts.w3_EFD.copy_(w["w3"][mine])
+    layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    layer.train()
+    return layer
+
+
+def _force(layer: MoE, ids: Tensor | None) -> None:
+    """Make the router choose `ids` (scores: the router's own for those experts)."""
+    if ids is None:
+        return
+    router, forward = layer.router, layer.router.forward
+
+    def forced(x_BLD: Tensor, expert_bias_E: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        _, _, scores = forward(x_BLD, expert_bias_E)
+        chosen = ids.view(1, -1, K).to(x_BLD.device)
+        return scores.gather(-1, chosen), chosen, scores
+
+    router.forward = forced  # type: ignore[method-assign]
+
+
+def _step(layer: MoE, x: Tensor, upstream: Tensor, fn: Any = None) -> dict[str, Any]:
+    x = x.clone().requires_grad_()
+    out = (layer if fn is None else fn)(x)
+    (out * upstream).sum().backward()
+    experts = layer.routed_experts.inner_experts
+    grads = {
+        "x": x.grad,
+        "gate": layer.router.gate.weight.grad,
+        "w1": experts.w1_EFD.grad,
+        "w2": experts.w2_EDF.grad,
+        "w3": experts.w3_EFD.grad,
+    }
+    return {"out": out.detach(), "grads": {k: v.clone() for k, v in grads.items()},
+            "counter": layer.tokens_per_expert_E.clone()}  # fmt: skip
+
+
+def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str, Any]:
+    kwargs = dict(MODES)[mode]
+    tokens = _tokens(world, rank, routing)
+    x = seeded((1, tokens, D), torch.float64, "tt-x", world, rank, routing).float()
+    upstream = seeded((1, tokens, D), torch.float64, "tt-g", world, rank, routing).float()
+    ids = _forced_ids(world, routing, tokens)
+    got: dict[str, Any] = {}
+    ours = _build(world, rank, FuncollTokenDispatcher.Config(num_experts=E, top_k=K, **kwargs), mesh)
+    _force(ours, ids)
+    got["funcoll"] = _step(ours, x, upstream)
+    got["ids"] = _chosen_ids(ours, x)
+    theirs = _build(world, rank, AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mesh)
+    _force(theirs, ids)
+    got["torchtitan"] = _step(theirs, x, upstream)
+    if (world, mode, routing) in COMPILED:
+        compiled = _build(world, rank, FuncollTokenDispatcher.Config(num_experts=E, top_k=K, **kwargs), mesh)
+        _force(compiled, ids)
+        torch._dynamo.reset()
+        try:
+            fn = torch.compile(compiled, fullgraph=True, backend="inductor")
+            got["compiled"] = _step(compiled, x, upstream, fn)
+        except Exception:  # noqa: BLE001 -- reported by the test; every rank's compile fails alike
+            got["compiled"] = {"error": traceback.format_exc(limit=-10)}
+        torch._dynamo.reset()
+    got["in_flight"] = in_flight()
+    return got
+
+
+def _chosen_ids(layer: MoE, x: Tensor) -> Tensor:
+    """The expert ids the layer's router chooses for `x` (no communication)."""
+    with torch.no_grad():
+        return layer.router(x, layer.expert_bias_E)[1].reshape(-1, K).clone()
+
+
+def _body(rank: int, world: int) -> dict[tuple[str, str], Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    out = {}
+    for mode, kwargs in MODES:
+        for routing in ROUTINGS:
+            if routing == "empty" and kwargs["mode"] != "exact":
+                continue  # static mode with no capacity given needs the same T on every rank
+            out[(mode, routing)] = _case(world, rank, mesh, mode, routing)
+    return out
+
+
+batch = once_per_world(_body, timeout=600.0)
+
+
+# --------------------------------------------------------------------------------- reference
+def _reference(world: int, routing: str, ids: list[Tensor]) -> dict[str, Any]:
+    """Every rank's output and gradients from one float64 layer over every rank's tokens and routing."""
+    w = {n: t.clone().requires_grad_() for n, t in _weights().items()}
+    gates = [w["gate"].detach().clone().requires_grad_() for _ in range(world)]  # one per rank: its own grad
+    xs, outs, loss = [], [], torch.zeros((), dtype=torch.float64)
+    for r in range(world):
+        tokens = _tokens(world, r, routing)
+        x = seeded((1, tokens, D), torch.float64, "tt-x", world, r, routing).float().double().requires_grad_()
+        g = seeded((1, tokens, D), torch.float64, "tt-g", world, r, routing).float().double()
+        flat = x.reshape(tokens, D)
+        scores = torch.sigmoid(flat @ gates[r].T)  # torchtitan's default score_func
+        chosen = ids[r]
+        out = torch.zeros(tokens, D, dtype=torch.float64)
+        for j in range(K):
+            e = chosen[:, j]
+            h = torch.nn.functional.silu(torch.einsum("td,tfd->tf", flat, w["w1"][e]))
+            h = h * torch.einsum("td,tfd->tf", flat, w["w3"][e])
+            out = out + scores.gather(1, chosen[:, j : j + 1]) * torch.einsum("tf,tdf->td", h, w["w2"][e])
+        xs.append(x)
+        outs.append(out.view(1, tokens, D))
+        loss = loss + (out.view(1, tokens, D) * g).sum()
+    loss.backward()
+    e_local = E // world
+    return {
+        "out": [o.detach() for o in outs],
+        "grads": [
+            {
+                "x": xs[r].grad,
+                "gate": gates[r].grad,
+                **{n: w[n].grad[r * e_local : (r + 1) * e_local] for n in ("w1", "w2", "w3")},  # type: ignore[index]
+            }
+            for r in range(world)
+        ],
+    }
+
+
+def _params() -> list[Any]:
+    return [
+        pytest.param(world, mode, routing, id=f"w{world}-{mode}-{routing}")
+        for world in WORLDS
+        for mode, kwargs in MODES
+        for routing in ROUTINGS
+        if routing != "empty" or kwargs["mode"] == "exact"
+    ]
+
+
+# bf16 grouped GEMMs against float64: the experts' rounding, relative to the whole tensor's norm
+BF16_REL = 2e-2
+
+
+def _close_bf16(got: Tensor, want: Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    err = float((got.double() - want).norm())
+    scale = max(float(want.norm()), 1e-12)
+    assert err <= BF16_REL * scale, (
+        f"{what}: relative error {err / scale:.3g} > {BF16_REL} (norm {scale:.3g})"
+    )
+
+
+# the same bf16 GEMMs on the same rows: only the combine's summation order differs
+SAME = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.mark.parametrize(("world", "mode", "routing"), _params())
+def test_dispatcher_in_torchtitans_layer_matches_dense_and_torchtitan(
+    world: int, mode: str, routing: str
+) -> None:
+    ranks = [per_rank[(mode, routing)] for per_rank in batch(world)]
+    ref = _reference(world, routing, [r["ids"] for r in ranks])
+    for r, got in enumerate(ranks):
+        where = f"rank {r}"
+        ours, theirs = got["funcoll"], got["torchtitan"]
+        _close_bf16(ours["out"], ref["out"][r], f"{where} out")
+        torch.testing.assert_close(
+            ours["out"], theirs["out"], **SAME, msg=lambda m, w=where: f"{w} out vs torchtitan: {m}"
+        )
+        for name in PARAMS:
+            mine, want = ours["grads"][name], ref["grads"][r][name]
+            assert mine is not None, f"{where}: no gradient for {name}"
+            _close_bf16(mine, want, f"{where} {name}.grad")
+            torch.testing.assert_close(
+                mine,
+                theirs["grads"][name],
+                **SAME,
+                msg=lambda m, n=name, w=where: f"{w} {n}.grad vs torchtitan: {m}",
+            )
+        counts = torch.bincount(got["ids"].reshape(-1), minlength=E).float()
+        assert ours["counter"].tolist() == counts.tolist() == theirs["counter"].tolist(), where
+        assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited"
+
+
+@pytest.mark.parametrize(
+    ("world", "mode", "routing"), [pytest.param(*c, id="w{}-{}-{}".format(*c)) for c in COMPILED]
+)
+def test_dispatcher_compiled_on_inductor_matches_dense(world: int, mode: str, routing: str) -> None:
+    """Inductor keeps the experts' bf16 intermediates in float32: compared with the dense layer, not eager."""
+    ranks = [per_rank[(mode, routing)] for per_rank in batch(world)]
+    ref = _reference(world, routing, [r["ids"] for r in ranks])
+    for r, got in enumerate(ranks):
+        compiled = got["compiled"]
+        if "error" in compiled:
+            pytest.fail(f"rank {r}: the inductor compile raised:\n{compiled['error']}")
+        _close_bf16(compiled["out"], ref["out"][r], f"rank {r} out")
+        for name in PARAMS:
+            _close_bf16(compiled["grads"][name], ref["grads"][r][name], f"rank {r} {name}.grad")
+        assert compiled["counter"].tolist() == got["funcoll"]["counter"].tolist(), f"rank {r}: counter"
+
+
+def test_config_errors_name_the_dispatcher() -> None:
+    where = "funcoll.integrations.torchtitan.FuncollTokenDispatcher"
+    with pytest.raises(ValueError, match=rf"^{where}: `mode`='dropless' is not one of"):
+        FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode="dropless").build()
+    with pytest.raises(
+        ValueError, match=rf"^{where}: `capacity`=4 / `capacity_factor`=None are for mode='static'"
+    ):
+        FuncollTokenDispatcher.Config(num_experts=E, top_k=K, capacity=4).build()
+    with pytest.raises(ValueError, match=rf"^{where}: give `capacity` or `capacity_factor`, not both"):
+        FuncollTokenDispatcher.Config(
+            num_experts=E, top_k=K, mode="static", capacity=4, capacity_factor=1.0
+        ).build()
+    with pytest.raises(ValueError, match=rf"^{where}: `capacity_factor`=0.0 must be > 0"):
+        FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode="static", capacity_factor=0.0).build()
+
+
+def test_override_swaps_torchtitans_dispatcher_config() -> None:
+    from funcoll.integrations.torchtitan import funcoll_dispatcher
+
+    cfg = funcoll_dispatcher(
+        AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mode="static", capacity_factor=1.5
+    )
+    assert isinstance(cfg, FuncollTokenDispatcher.Config)
+    assert (cfg.num_experts, cfg.top_k, cfg.mode, cfg.capacity_factor) == (E, K, "static", 1.5)
+    dispatcher = cfg.build()
+    assert isinstance(dispatcher, FuncollTokenDispatcher)
+    assert dispatcher._capacity(10, 4) == 8  # ceil(1.5 * 10 tokens * top-2 / 4 ranks)
