@@ -51,7 +51,7 @@ Modes, and where each reads the device on the host:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -158,8 +158,20 @@ class Dropless:
     The forward must be one that may run twice: it returns what the step needs
     (a loss, outputs) and leaves the optimizer step to the caller. The random
     number generators (CPU, and the current CUDA device's) are restored before it
-    runs again, so dropout draws the same masks. ``policy.replays`` counts the
-    steps that ran twice, ``policy.needed`` is the last step's agreed need.
+    runs again, so dropout draws the same masks. With `state`, the buffers of
+    those modules (a load-balancing counter, batch norm's running statistics)
+    are copied before the forward and put back before it runs again, so that an
+    overflowed step updates them once, as a step that fit does; the copy costs
+    one clone of those buffers per step. Side effects outside them (a Python
+    counter, a cache written elsewhere) happen twice on an overflowed step.
+    ``policy.replays`` counts the steps that ran twice, ``policy.needed`` is the
+    last step's agreed need.
+
+    Inside one module: a model whose step's forward is not the caller's to wrap
+    (a framework's MoE layer) can run the policy around the layer's own dispatch,
+    experts and combine, ``policy.run(self._routed, x, ...)`` in its forward; only
+    that part runs again after an overflow, and the policy reads the host once per
+    layer instead of once per step. Eager only: the read is a graph break.
 
     Args:
         capacity: the static capacity to start with (rows per block, the same on
@@ -167,6 +179,8 @@ class Dropless:
         group: the group whose ranks agree on the overflow: every rank that runs
             the forward (default: the default group).
         grow: grow the capacity after an overflow (default True).
+        state: a module, or modules, whose buffers the forward updates: restored
+            before a replay (default: none).
 
     Example (2 ranks)::
 
@@ -180,12 +194,26 @@ class Dropless:
         policy.replays, policy.capacity        # both: (1, 4): rank 0 needed 3 > 2
     """
 
-    def __init__(self, capacity: int, *, group: GroupLike = None, grow: bool = True) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        group: GroupLike = None,
+        grow: bool = True,
+        state: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
+    ) -> None:
         if not _is_int(capacity):
             raise TypeError(f"funcoll.moe.Dropless: `capacity` must be an int, got {type(capacity).__name__}")
         if capacity < 0:
             raise ValueError(f"funcoll.moe.Dropless: `capacity`={capacity} must be >= 0 (rows per block)")
         resolve_group("funcoll.moe.Dropless", group)  # a bad group is refused here, not after a forward
+        modules = [state] if isinstance(state, torch.nn.Module) else list(state or ())
+        for m in modules:
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(
+                    f"funcoll.moe.Dropless: `state` must be a torch.nn.Module or modules, got {type(m).__name__}"
+                )
+        self.state = modules
         self.capacity = capacity
         self.group = group
         self.grow = bool(grow)
@@ -204,6 +232,8 @@ class Dropless:
         if self._active:
             raise RuntimeError(f"{opname}: already running: a policy's forward cannot run it again inside")
         rng = _rng_state()
+        buffers = [b for m in self.state for b in m.buffers()]
+        saved = [b.detach().clone() for b in buffers]  # what a replay puts back
         self._active, self._need = True, None
         try:
             out = fn(*args, **kwargs)
@@ -222,6 +252,9 @@ class Dropless:
         if self.grow:
             self.capacity = 1 << (self.needed - 1).bit_length()
         _set_rng_state(rng)
+        with torch.no_grad():
+            for b, old in zip(buffers, saved, strict=True):
+                b.copy_(old)
         self._active, self._exact = True, True
         try:
             return fn(*args, **kwargs)
@@ -465,8 +498,9 @@ def dispatch(
         unbacked SymInt when compiled). Static mode: ``R = world * C + E_local *
         (align - 1)`` rounded up to `align`, a static size.
 
-    Host syncs: exact mode reads ``E + world * E_local`` counts on the host once
-    (an uneven all-to-all takes its splits as host ints); static mode reads nothing.
+    Host syncs: exact mode reads ``2 * world + 1`` ints on the host once (the rows
+    sent to and received from each rank, which an uneven all-to-all takes as host
+    ints, and ``R``); static mode reads nothing.
 
     Backward: combine's data movement without the weights: the gradient rows of
     ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
@@ -562,17 +596,17 @@ def dispatch(
     if mode == "exact":
         send_rows = x.index_select(0, send_index)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
-        # host ints. One read for this rank's counts and what it receives.
-        ints = host_ints(torch.cat([per_expert, recv_counts.reshape(-1)]))
-        mine = ints[:num_experts]
-        send_sizes = [sum(mine[d * e_local : (d + 1) * e_local]) for d in range(world)]
-        got = ints[num_experts:]
-        recv_sizes = [sum(got[s * e_local : (s + 1) * e_local]) for s in range(world)]
-        n_in = sum(recv_sizes)
-        rows = sum(
-            (sum(got[s * e_local + e] for s in range(world)) + align - 1) // align * align
-            for e in range(e_local)
+        # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
+        # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
+        # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
+        # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
+        padded = (recv_counts.sum(0) + (align - 1)) // align * align
+        ints = host_ints(
+            torch.cat([per_expert.view(world, e_local).sum(1), recv_counts.sum(1), padded.sum(0, True)])
         )
+        send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
+        n_in = sum(recv_sizes)
+        torch._check(rows >= n_in)
         recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
         source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
         back_index = dest_of  # every received row is data: no index past the rows of y

@@ -257,6 +257,48 @@ def docstring_example(rank: int) -> dict[str, Any]:
     return out
 
 
+class Counting(torch.nn.Module):
+    """An MoE layer with forward side effects: a per-expert counter (torchtitan's load balancer) and batch norm."""
+
+    def __init__(self, policy: moe.Dropless | None = None) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4))
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.policy = policy  # set: the policy runs inside this module, around dispatch and combine only
+
+    def routed(self, h: Tensor, idx: Tensor, w: Tensor, policy: moe.Dropless) -> Tensor:
+        recv, handle = moe.dispatch(h, idx, 4, mode=policy)
+        return moe.combine(recv, handle, w)
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor, policy: moe.Dropless | None = None) -> Tensor:
+        self.seen.add_(torch.bincount(idx.flatten(), minlength=4).float())
+        h = self.norm(x)
+        if self.policy is not None:
+            return self.policy.run(self.routed, h, idx, w, self.policy)
+        assert policy is not None
+        return self.routed(h, idx, w, policy)
+
+
+def replay_state(rank: int) -> dict[str, Any]:
+    """One step through a policy that overflows (rank 0 routes 3 pairs to rank 0, capacity 1), three ways."""
+    x = [torch.tensor([[1.0, 2, 0], [2, 0, 1], [3, 1, 1]]), torch.tensor([[4.0, 1, 2], [0, 5, 1]])][rank]
+    idx = [torch.tensor([[0], [1], [0]]), torch.tensor([[2], [3]])][rank]
+    w = torch.ones(x.shape[0], 1)
+    got: dict[str, Any] = {}
+    for name in ("state", "no-state", "fits", "inside"):
+        torch.manual_seed(0)
+        model = Counting(moe.Dropless(1) if name == "inside" else None)
+        if name in ("state", "no-state", "fits"):
+            policy = moe.Dropless(8 if name == "fits" else 1, state=model if name != "no-state" else None)
+            out = policy.run(model, x, idx, w, policy)
+        else:
+            policy = model.policy
+            out = model(x, idx, w)
+        got[name] = {"out": out.detach(), "replays": policy.replays,
+                     "buffers": {k: v.clone() for k, v in model.named_buffers()}}  # fmt: skip
+    return got
+
+
 DTYPES = (torch.int64, torch.complex64, torch.float16, torch.bfloat16)
 
 
@@ -279,6 +321,7 @@ def run_batch(rank: int, world: int, batch: list[Case]) -> dict[str, Any]:
     if world == 2:  # docs/moe.md's layer and the docstrings' examples
         out["snippet"] = {mode: snippet().step(rank, world, mode) for mode in ("exact", "static")}
         out["example"] = docstring_example(rank)
+        out["replay_state"] = replay_state(rank)
         out["dtypes"] = dtypes(rank)
     return out
 
@@ -376,6 +419,7 @@ class Batches:
                 "snippet": [r.get("snippet") for r in per_rank],
                 "example": [r.get("example") for r in per_rank],
                 "dtypes": [r.get("dtypes") for r in per_rank],
+                "replay_state": [r.get("replay_state") for r in per_rank],
             }
         return self._done[world]
 
@@ -488,6 +532,24 @@ def test_docstring_examples_hold(batches: Batches) -> None:
     assert rank0["policy"] == rank1["policy"] == (1, 4)
 
 
+def test_replay_leaves_the_state_of_a_step_that_fit(batches: Batches) -> None:
+    """An overflowed step's buffers (a counter, batch norm's running statistics) as if it ran once."""
+    for rank, got in enumerate(batches.get(2)["replay_state"]):
+        fits, state, no_state, inside = got["fits"], got["state"], got["no-state"], got["inside"]
+        assert fits["replays"] == 0 and state["replays"] == no_state["replays"] == inside["replays"] == 1, (
+            rank
+        )
+        for name, want in fits["buffers"].items():
+            for how in (state, inside):
+                torch.testing.assert_close(
+                    how["buffers"][name], want, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+                )
+            torch.testing.assert_close(state["out"], fits["out"])
+        # Without `state`, the replay updates them again: the counter counts the step twice.
+        assert no_state["buffers"]["seen"].tolist() == (2 * fits["buffers"]["seen"]).tolist(), rank
+        assert int(no_state["buffers"]["norm.num_batches_tracked"]) == 2, rank
+
+
 def test_benchmark_quick_run() -> None:
     """benchmarks/bench_moe.py --quick (2 ranks, 64 tokens, one round of 2-layer steps): it runs, its
     layers agree, and it counts each one's host reads a step: one a layer for the recipe and exact
@@ -587,6 +649,10 @@ def test_dropless_errors() -> None:
         moe.Dropless(2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^funcoll.moe.Dropless: `capacity`=-1 must be >= 0"):
         moe.Dropless(-1)
+    with pytest.raises(
+        TypeError, match=r"^funcoll.moe.Dropless: `state` must be a torch.nn.Module or modules, got"
+    ):
+        moe.Dropless(2, state=[torch.zeros(1)])  # type: ignore[list-item]
     assert not policy._active  # an error inside the forward leaves the policy usable
 
 
