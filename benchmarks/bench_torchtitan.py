@@ -1,0 +1,152 @@
+"""torchtitan's MoE layer with its own dispatcher and with funcoll's, one training step, eager and compiled.
+
+Run: ``python benchmarks/bench_torchtitan.py [--worlds 2 4] [--tokens 256 1024 4096] [--rounds 3]
+[--iters 3] [--no-compile]``  (needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``
+and ``pip install tyro``)
+
+For each world size it starts that many gloo CPU ranks. Each rank builds torchtitan
+0.3.0's ``MoE`` layer (its router, ``GroupedExperts`` with bf16 grouped GEMMs, its
+load-balancing counter; ``E = 4 * world`` experts, top-2, ``D = F = 256``) once per
+dispatcher, from the same weights, each rank holding its ``E / world`` experts and
+the dispatcher wired to a 1-D ``ep`` mesh:
+
+- ``titan`` (the baseline): torchtitan's ``AllToAllTokenDispatcher``
+  (``spmd_backend="partial_dtensor"``, the one that runs on gloo), eager.
+- ``funcoll exact`` / ``funcoll static``: ``FuncollTokenDispatcher`` in exact mode,
+  and in static mode with ``capacity_factor=1.25`` (the router's own routing:
+  pairs past the capacity are dropped).
+- ``..., compiled``: the layer under ``torch.compile(fullgraph=True)`` (inductor),
+  compiled before the timed steps.
+
+A step is the layer's forward on ``T`` tokens per rank and the backward of its
+output's sum. Every method is timed interleaved over `rounds` rounds (each the
+median of `iters` barrier-fenced steps after a warm-up, the slowest rank's time);
+a row's time is the median over rounds, its ratio that over the ``titan`` row of
+the same world and ``T``. Host reads per step (``Tensor.tolist`` / ``.item``
+calls, forward and backward; each a device-to-host sync on CUDA) are counted in
+one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
+twice per layer, which the count does not include.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import fenced_median
+
+from funcoll import testing
+
+K, D, F = 2, 256, 256
+
+
+def _layer(world: int, rank: int, dispatcher: Any, mesh: Any) -> Any:
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+
+    e = 4 * world
+    layer = MoE.Config(
+        num_experts=e,
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=e, gate=Linear.Config(in_features=D, out_features=e), top_k=K
+        ),
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=4),
+            token_dispatcher=dispatcher,
+        ),
+    ).build()
+    g = torch.Generator().manual_seed(rank)  # each rank's own experts; the gate the same everywhere
+    inner = layer.routed_experts.inner_experts
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(torch.randn(e, D, generator=torch.Generator().manual_seed(0)) / D**0.5)
+        for p in (inner.w1_EFD, inner.w2_EDF, inner.w3_EFD):
+            p.copy_(torch.randn(p.shape, generator=g) / D**0.5)
+    layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return layer
+
+
+def _step(fn: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    layer.zero_grad(set_to_none=True)
+    out = fn(x)
+    out.sum().backward()
+    return out
+
+
+def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, compile_: bool) -> list[dict]:
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from funcoll.integrations.torchtitan import FuncollTokenDispatcher
+
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    e = 4 * world
+    configs = {
+        "titan": AllToAllTokenDispatcher.Config(num_experts=e, top_k=K),
+        "funcoll exact": FuncollTokenDispatcher.Config(num_experts=e, top_k=K, mode="exact"),
+        "funcoll static": FuncollTokenDispatcher.Config(
+            num_experts=e, top_k=K, mode="static", capacity_factor=1.25
+        ),
+    }
+    rows = []
+    for t in tokens:
+        x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10 + rank))
+        methods = {}
+        for name, cfg in configs.items():
+            layer = _layer(world, rank, cfg, mesh)
+            methods[name] = (layer, layer)
+            if compile_ and name != "titan":
+                compiled_layer = _layer(world, rank, cfg, mesh)
+                torch._dynamo.reset()
+                fn = torch.compile(compiled_layer, fullgraph=True, backend="inductor")
+                _step(fn, compiled_layer, x)  # compile before timing
+                methods[f"{name}, compiled"] = (fn, compiled_layer)
+        reads = {}
+        for name, (fn, layer) in methods.items():
+            with testing.count_host_reads() as counted:
+                _step(fn, layer, x)
+            reads[name] = counted.count
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for _ in range(rounds):
+            for name, (fn, layer) in methods.items():
+                mine = torch.tensor(fenced_median(lambda fn=fn, layer=layer, x=x: _step(fn, layer, x), iters))
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's step
+                times[name].append(float(mine))
+        base = statistics.median(times["titan"])
+        for name in methods:
+            med = statistics.median(times[name])
+            rows.append({"world": world, "tokens": t, "method": name, "ms": med * 1e3, "ratio": med / base,
+                         "host_reads": reads[name]})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="eager methods only")
+    args = parser.parse_args(argv)
+    print("| world | T | method | step ms | vs titan | host reads |\n|---|---|---|---|---|---|")
+    for world in args.worlds:
+        rows = testing.run_ranks(
+            _body, world, args.tokens, args.rounds, args.iters, not args.no_compile, timeout=3000
+        )[0]
+        for r in rows:
+            print(
+                f"| {r['world']} | {r['tokens']} | {r['method']} | {r['ms']:.1f} | {r['ratio']:.2f} | {r['host_reads']} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
