@@ -105,7 +105,6 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
             methods[name] = (layer, layer)
             if compile_ and name != "titan":
                 compiled_layer = _layer(world, rank, cfg, mesh)
-                torch._dynamo.reset()
                 fn = torch.compile(compiled_layer, fullgraph=True, backend="inductor")
                 _step(fn, compiled_layer, x)  # compile before timing
                 methods[f"{name}, compiled"] = (fn, compiled_layer)
