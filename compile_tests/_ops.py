@@ -177,9 +177,7 @@ class OpCase:
     takes_group: bool = True  # call(*inputs, group=...) works; False for the seed helpers without one
     op: str = ""  # the public op whose spec says its collectives; the id's first word when empty
     variant: str = ""  # which of the op's argument sets (funcoll._spec: "sizes", a strategy, "dst", "given")
-    at_scale: bool = (
-        False  # traced on fake groups of 8 and 64 ranks, 1024 if no size exchange (test_fake_pg.py)
-    )
+    at_scale: bool = False  # traced on a fake group of 64 ranks, 1024 without a size exchange (test_fake_pg)
 
     @property
     def spec_name(self) -> str:
