@@ -412,8 +412,8 @@ def _expert_layout(
     rows: int | torch.SymInt,
     align: int,
     none: int | torch.SymInt,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Where each received row goes in the expert-major layout: (recv_source, dest, counts, offsets).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Where each received row goes in the expert-major layout: (recv_source, dest, counts, offsets, ends).
 
     `recv_counts` ``(world, E_local)``: rows received from each source for each local
     expert. The `n_in` received rows arrive source-major, then by local expert, so
@@ -421,7 +421,8 @@ def _expert_layout(
     ``offsets[e] + (rows from earlier sources for e) + (its index in its block)``.
     Returns, for each of the `rows` layout rows, the received row it holds
     (`none` if none: the index of a zero row), for each received row its layout
-    row (`rows` for a padding row), each expert's count and its block's start.
+    row (`rows` for a padding row), each expert's count, its block's start and
+    its block's end (int32, a grouped GEMM's offs).
     """
     world, e_local = recv_counts.shape
     device = recv_counts.device
@@ -439,12 +440,7 @@ def _expert_layout(
     dest = offsets[e] + before[block] + (i - (ends[block] - flat[block]))
     dest = torch.where(valid, dest, rows)  # padding rows land on the spare row
     source = torch.full((rows + 1,), none, dtype=torch.int64, device=device).scatter_(0, dest, i)[:rows]
-    return source, dest, counts, offsets
-
-
-def _block_ends(offsets: Tensor, counts: Tensor, align: int) -> Tensor:
-    """int32 ``offsets + counts`` rounded up to `align`: each expert block's end, as grouped GEMMs take them."""
-    return (offsets + (counts + (align - 1)) // align * align).to(torch.int32)
+    return source, dest, counts, offsets, torch.cumsum(padded, 0, dtype=torch.int32)
 
 
 @public_op("moe.dispatch")
@@ -588,9 +584,11 @@ def dispatch(
             send_rows = _take(x, send_index, spare=True)
     if keep is None:
         per_expert = _count(expert, num_experts) if given is None else given
+        per_dest = per_expert.view(world, e_local).sum(1)  # exact mode: the rows sent to each rank
     else:
         per_expert = _count(expert, num_experts, keep.to(torch.int64))
-    needed = (per_expert.view(world, e_local).sum(1) if keep is None else wanted).max()
+        per_dest = wanted
+    needed = per_dest.max()
     # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
     recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
     if mode == "exact":
@@ -601,14 +599,12 @@ def dispatch(
         # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
         # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
         padded = (recv_counts.sum(0) + (align - 1)) // align * align
-        ints = host_ints(
-            torch.cat([per_expert.view(world, e_local).sum(1), recv_counts.sum(1), padded.sum(0, True)])
-        )
+        ints = host_ints(torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)]))
         send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
         n_in = sum(recv_sizes)
         torch._check(rows >= n_in)
         recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
-        source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
+        source, dest_of, counts, offsets, ends = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
         back_index = dest_of  # every received row is data: no index past the rows of y
         dropped = torch.zeros((), dtype=torch.int64, device=device)
         extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
@@ -625,7 +621,9 @@ def dispatch(
         p = torch.arange(n_in, device=device)
         s_of_p = torch.searchsorted(torch.cumsum(got_from, 0), p, right=True).clamp(max=world - 1)
         row_of_p = torch.where(p < got_from.sum(), s_of_p * block + p - start[s_of_p], n_in - 1)
-        packed_source, dest_of, counts, offsets = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
+        packed_source, dest_of, counts, offsets, ends = _expert_layout(
+            recv_counts, n_in, rows, align, none=n_in
+        )
         source = torch.cat([row_of_p, row_of_p.new_full((1,), n_in - 1)])[packed_source]
         # The rows combine sends back, as the blocks came: block row q carries the layout
         # row of its packed row, if it holds data; otherwise any row of y (row 0), or, if
@@ -639,7 +637,7 @@ def dispatch(
     out = _take(recv, source, spare=mode == "exact" and align > 1)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
-        align=align, group=group, counts=counts, offsets=offsets, ends=_block_ends(offsets, counts, align),
+        align=align, group=group, counts=counts, offsets=offsets, ends=ends,
         dropped=dropped, needed=needed, topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
         **extra,  # type: ignore[arg-type]
