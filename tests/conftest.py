@@ -1,12 +1,8 @@
-import os
 from collections.abc import Callable
 
 import pytest
 
 import funcoll
-
-# Inductor's compile workers are subprocesses; on a 2-core machine one is enough.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _REPORT = pytest.StashKey[list[str]]()
 
