@@ -108,7 +108,16 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         _faults.remember(ctx)
         xm = wire(x).movedim(dim, 0)
         y = unwire(_prims.gather_rows(xm, sizes, strategy, group_name, world, rank, stats), x.dtype)
-        y = y if dim == 0 else y.movedim(0, dim).contiguous()
+        if dim != 0:
+            moved = y.movedim(0, dim)
+            # Compiled, the result is a new tensor even when `moved` is contiguous already (then
+            # .contiguous() returns `moved` itself, as it does when the leading dims have size 1, a
+            # batch of 1). torch 2.11's dynamo makes every tensor the forward creates an extra output
+            # of the traced forward (2.12 drops those that alias an output); with `moved` both the
+            # output and an extra one, AOT autograd routes the incoming gradient to the extra output
+            # and this backward gets zeros: compiled input gradients of 0 on 2.11. Inductor drops
+            # the clone where the layout already matches; eager keeps .contiguous() (no copy).
+            y = fresh(moved) if torch.compiler.is_compiling() else moved.contiguous()
         ctx.dim, ctx.scale, ctx.world = dim, scale, world
         ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
         ctx.len = _prims._ctx_ints([sizes[rank]])[0]
