@@ -17,6 +17,8 @@ symbolic shapes run on aot_eager): its results must match too, and the code indu
 generates (``run_and_get_code``) must call each collective the graph tests expect
 (``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
 ``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
+The release matrix's smoke run (``_ops.SMOKE``) compiles every case on aot_eager
+and one case per argument set (``at_scale``) on inductor.
 
 All cases of one world run in one ``run_ranks`` call (``_ops.run_batch``) and the
 tests read its results; cases with a known funcoll bug run in calls of their own.
@@ -123,6 +125,11 @@ def _cases_for(world: int) -> list[OpCase]:
     return [c for c in CASES if world >= c.min_world]
 
 
+def _inductor_cases() -> list[OpCase]:
+    """Every case on inductor; in the release matrix's smoke run, one per argument set (``at_scale``)."""
+    return [c for c in _cases_for(INDUCTOR_WORLD) if c.at_scale or not SMOKE]
+
+
 @functools.cache
 def _results(
     world: int, case_ids: tuple[str, ...], backend: str, dynamics: tuple, explain: bool, timeout: float = 400
@@ -145,7 +152,7 @@ def _inductor_results(case: OpCase) -> list[dict]:
     """Like :func:`_aot_eager_results`, compiled by inductor, with its code."""
     if case.id in KNOWN_BUGS:
         return _results(INDUCTOR_WORLD, (case.id,), "inductor", INDUCTOR_DYNAMICS, False, KNOWN_BUG_TIMEOUT_S)
-    batch = tuple(c.id for c in _cases_for(INDUCTOR_WORLD) if c.id not in KNOWN_BUGS)
+    batch = tuple(c.id for c in _inductor_cases() if c.id not in KNOWN_BUGS)
     return _results(INDUCTOR_WORLD, batch, "inductor", INDUCTOR_DYNAMICS, False, timeout=900)
 
 
@@ -240,7 +247,7 @@ def test_explain_reports_no_graph_break(world: int, case: OpCase) -> None:
 def _inductor_params() -> list:
     return [
         pytest.param(case, d, id=f"w{INDUCTOR_WORLD}-{case.id}-dynamic={d}", marks=_xfail_known(case))
-        for case in _cases_for(INDUCTOR_WORLD)
+        for case in _inductor_cases()
         for d in _inductor_dynamics(case)
     ]
 
