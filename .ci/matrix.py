@@ -17,7 +17,8 @@ The smoke run (:data:`SMOKE`) covers every public op eager and compiled: the
 compile cases of ``compile_tests/_ops.py`` on aot_eager and inductor, every group
 form, ``mark_ragged`` with one compile over changing lengths (and the ``min_size``
 fallback where ``mark_unbacked`` has no ``min``), DTensor in and out, ``funcoll.lax``
-and ``shard_map``, ``funcoll.moe``; then the demo. Each test lands in one column of
+and ``shard_map``, ``funcoll.moe`` (and torchtitan's MoE layer with funcoll's dispatcher,
+where torchtitan supports the release); then the demo. Each test lands in one column of
 the support table (:data:`AREAS`) by its file and name. The results go to
 ``docs/results/matrix.json``; ``render`` writes the table into docs/support.md
 from them, so the page says what the matrix ran, never what someone typed.
@@ -44,8 +45,11 @@ PINNED = "2.13.0"
 RELEASES = ("2.11.0", "2.12.0", "2.14.1", "2.15.0")
 # Releases newer than the machine-wide pip cap (torch<=2.14.1) install without it.
 UNCAPPED = ("2.15.0",)
-# What each release's venv gets beside torch (funcoll's own requirements come with `-e .`).
-EXTRAS = ("pytest", "hypothesis")
+# What each release's venv gets beside torch (funcoll's own requirements come with `-e .`),
+# and what it gets without dependencies: torchtitan's model code, as .ci/run installs it
+# for the pinned release (tests/test_torchtitan.py skips before torch 2.12).
+EXTRAS = ("pytest", "hypothesis", "tyro")
+NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
 
 # The smoke run: whole files, so that the pinned release's row (read from the whole
 # suite's report) counts the same tests.
@@ -67,6 +71,7 @@ SMOKE = (
     "compile_tests/test_lax_compile.py",
     "tests/test_moe.py",
     "compile_tests/test_moe_compile.py",
+    "tests/test_torchtitan.py",
 )
 # Column -> (files, a pattern on the test's name that puts it there, or None for any).
 # The first column that takes a test has it; "inductor" comes first so that the
@@ -89,7 +94,7 @@ AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
     ),
     "DTensor": (("tests/test_dtensor.py", "compile_tests/test_dtensor_compile.py"), None),
     "lax / shard_map": (("tests/test_lax.py", "compile_tests/test_lax_compile.py"), None),
-    "moe": (("tests/test_moe.py", "compile_tests/test_moe_compile.py"), None),
+    "moe": (("tests/test_moe.py", "compile_tests/test_moe_compile.py", "tests/test_torchtitan.py"), None),
 }  # fmt: skip
 # The columns in the order the page shows them.
 COLUMNS = ("eager", "compiled (aot_eager)", "inductor", "DTensor", "lax / shard_map", "moe")
@@ -120,10 +125,20 @@ def _torch_version(python: Path) -> str | None:
     return out.stdout.strip().split("+")[0] if out.returncode == 0 else None
 
 
+def _install_extras(python: Path, release: str) -> None:
+    """EXTRAS and NO_DEPS into a release's venv (quick when they are there already)."""
+    for args in (EXTRAS, ("--no-deps", *NO_DEPS)):
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", *args],
+            check=True, env=_pip_env(release), stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
 def install(release: str) -> str:
     """Make (or keep) the venv of `release`; return a line saying what was done."""
     python = venv_python(release)
     if _torch_version(python) == release:
+        _install_extras(python, release)
         return f"torch {release}: kept {python.parent.parent}"
     if release == PINNED:
         raise SystemExit(f"matrix: this python has torch {_torch_version(python)}, not the pinned {PINNED}")
@@ -135,6 +150,7 @@ def install(release: str) -> str:
             [str(python), "-m", "pip", "install", "--quiet", f"torch=={release}", *EXTRAS],
             check=True, stdout=f, stderr=subprocess.STDOUT, env=_pip_env(release),
         )  # fmt: skip
+    _install_extras(python, release)
     got = _torch_version(python)
     if got != release:
         raise SystemExit(f"matrix: the venv of torch {release} has torch {got} (see {log})")
