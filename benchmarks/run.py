@@ -19,7 +19,11 @@ Families (each one's own script documents its methods):
 - ``moe`` (``bench_moe.py``): a training step's token movement through 2 MoE
   layers (dispatch, combine, forward and backward), ``funcoll.moe`` exact,
   static and the ``Dropless`` policy against a retyped torchtitan recipe, eager
-  and compiled, with the host reads per step;
+  and compiled, with the host reads per step; and, where torchtitan 0.3.0 is
+  installed (``bench_torchtitan.py``), torchtitan's own MoE layer with its
+  ``AllToAllTokenDispatcher`` (the baseline) and funcoll's
+  ``FuncollTokenDispatcher`` (exact, static), eager and compiled, up to 4096
+  tokens per rank (its bf16 grouped GEMMs on the CPU take seconds past that);
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
   ``funcoll.set_checks(True)`` against the same step unchecked;
 - ``overlap`` (``bench_overlap.py``): a step that issues a collective, runs
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -72,6 +77,7 @@ import bench_moe
 import bench_overlap
 import bench_ragged_gather
 import bench_row_kernels
+import bench_torchtitan
 import sweep_ragged
 
 from funcoll.testing import run_ranks
@@ -183,7 +189,26 @@ def _moe(worlds: list[int], tokens: list[float], iters: int, rounds: int, on: Se
                     "tokens": row["tokens"], "bytes": sent, "impl": impl, "seconds": ms / 1e3,
                     "ratio": ms / base, "host_syncs": row["syncs"][impl],
                 })  # fmt: skip
+    if importlib.util.find_spec("torchtitan") is None:
+        print("moe: torchtitan's layer skipped (pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3)\n")
+        return records
+    for world in worlds:
+        layer_tokens = [int(t) for t in tokens if t <= TITAN_MAX_TOKENS]
+        rows = run_ranks(on.wrap(bench_torchtitan._body), world, layer_tokens, rounds, iters, not on.quick,
+                         timeout=3600, backend=on.backend)[0]  # fmt: skip
+        for r in rows:
+            records.append({
+                "family": "moe", "world": world, "layout": f"torchtitan layer, top-{bench_torchtitan.K}",
+                "tokens": r["tokens"], "bytes": r["tokens"] * bench_torchtitan.K * bench_torchtitan.D * 4,
+                "impl": f"torchtitan layer: {r['method']}", "seconds": r["ms"] / 1e3, "ratio": r["ratio"],
+                "host_syncs": r["host_reads"],
+            })  # fmt: skip
     return records
+
+
+# torchtitan's layer runs up to this many tokens per rank (its bf16 grouped GEMMs on the CPU
+# take seconds a step past it).
+TITAN_MAX_TOKENS = 4096
 
 
 def _checked(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: Setup) -> list[Record]:
@@ -287,6 +312,7 @@ _LABELS = {
     ("dtensor", "redistribute"): "DTensor.redistribute (baseline)",
     ("dtensor", "gather+chunk"): "all_gather + chunk (baseline)",
     ("moe", "titan"): "torchtitan recipe (baseline)",
+    ("moe", "torchtitan layer: titan"): "torchtitan layer, its dispatcher (baseline)",
     ("checked", "unchecked"): "set_checks(False) (baseline)",
     ("checked", "checked"): "set_checks(True)",
 }
