@@ -53,6 +53,8 @@ from _ops import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import Module
 
+from funcoll.testing import group_of
+
 FORMS_W2 = (
     "world-object",  # dist.group.WORLD, read inside the compiled function
     "subgroup-closure",  # a new_group of every rank, from a closure cell
@@ -235,7 +237,7 @@ def _check_graphs(case: OpCase, got: list[dict[str, Any]]) -> None:
             assert counts == {k: v for k, v in want.items() if v}, f"{kind}: {counts}, expected {want}"
             assert waits == sum(counts.values()), f"{kind}: {waits} waits for {counts}"
             names = {
-                c["args"][-1]
+                group_of(c["args"][-1])
                 for c in calls
                 if c["op"].startswith(COLLECTIVE_PREFIX) and not c["op"].endswith(WAIT)
             }
@@ -276,7 +278,8 @@ def test_inductor_with_every_group_form(form: str) -> None:
                 m = _CALL.search(line)
                 if m is None or line.lstrip().startswith("#") or m.group(1) == WAIT:
                     continue
-                assert m.group(2).rstrip().endswith(f"'{g['name']}'"), f"not on {g['name']!r}: {line.strip()}"
+                on = m.group(2).rstrip().rsplit(",", 1)[-1].strip().strip("'")
+                assert group_of(on) == g["name"], f"not on {g['name']!r}: {line.strip()}"
                 named += 1
         fw, bw = expected_collectives(case.id, 2)
         assert named == sum(fw.values()) + sum((bw or {}).values()), f"{named} collectives in the code"

@@ -3,9 +3,10 @@
 AOT autograd's CSE merges equal nodes of the joint graph, collectives included.
 Whether two collectives are equal can differ between ranks: the same tensor sent
 twice is equal on every rank, but on a rank whose payload is empty by its static
-shape two different gradients can be the same constant too. funcoll gives every
-collective's input a node of its own on every rank (``_prims._payload``), so the
-ranks issue the same collectives whatever their shapes.
+shape two different gradients can be the same constant too. funcoll issues every
+collective of a compiled graph under a group name of its own on every rank
+(``_group.wire_name``), so the ranks issue the same collectives whatever their
+shapes.
 
 Each case compiles a training step with static ragged sizes where rank 1 holds
 no rows, records every rank's forward and backward collectives after the

@@ -19,10 +19,10 @@ and read it on the host (one device-to-host sync per call), so that bad counts
 and ranks whose shapes differ raise funcoll's ``ValueError`` on every rank,
 naming the rank and the value, before any data moves.
 
-Compiled code with checks on waits for each collective with ``funcoll::wait``
+Compiled code with checks on waits for each header exchange with ``funcoll::wait``
 (``_faults.wait``) instead of the bare ``wait_tensor``, so that a rank that died or
-stayed away fails the step with the op's name, as in eager code, at the price of
-one copy of each collective's result.
+stayed away before the op fails the step with the op's name, as in eager code.
+The data collectives keep the bare ``wait_tensor`` (inductor's passes move it).
 
 Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
 compiled region reads the switch when it is traced and is traced again when it

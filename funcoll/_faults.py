@@ -14,10 +14,13 @@ funcoll frame is left to name them. By default the backend's error surfaces from
 the compiled function as it is (docs/errors.md, "Faults"), and the graph keeps
 the bare ``wait_tensor`` that inductor schedules around. Under
 ``funcoll.set_checks(True)`` the public op's name is kept while it is traced
-(:func:`traced_op`) and every wait in the graph is the custom op ``funcoll::wait``
-(:func:`wait`), which waits, re-raises a failure as :func:`failed` does in eager
-code, and returns a copy of the result (a custom op may not return its input):
-one copy per collective, the price of the name.
+(:func:`traced_op`) and the wait of each header exchange (the cross-rank check,
+the size exchange) is the custom op ``funcoll::wait`` (:func:`wait`), which waits,
+re-raises a failure as :func:`failed` does in eager code, and returns a copy of
+the header (a custom op may not return its input): a few ints, which the host
+reads next anyway. The data collectives keep the bare ``wait_tensor``, so that
+inductor's passes move their waits past independent work as in an unchecked
+graph; a failure there surfaces as the backend's error.
 """
 
 from __future__ import annotations

@@ -17,13 +17,23 @@ break and no guard on tensor data.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Group", "GroupLike", "axis_index", "axis_size", "mesh_dim_index", "resolve_group"]
+__all__ = [
+    "Group",
+    "GroupLike",
+    "axis_index",
+    "axis_size",
+    "group_of",
+    "mesh_dim_index",
+    "resolve_group",
+    "wire_name",
+]
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | None
 
@@ -96,6 +106,69 @@ def _size_and_rank_of(group_name: str) -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 -- c10d raises RuntimeError/ValueError by version
         return None
     return pg.size(), pg.rank()
+
+
+class _NoTrace:
+    """The key of the collectives traced outside any dynamo frame (``make_fx``)."""
+
+
+_NO_TRACE = _NoTrace()
+# How many collectives each trace (dynamo's TracingContext of one frame) has named.
+_NAMED: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+
+
+@torch.compiler.assume_constant_result
+def wire_name(group_name: str) -> str:
+    """The group name the next collective of the graph being traced runs under: one of its own.
+
+    Compilers merge equal nodes, collectives included (AOT autograd's CSE on the
+    joint graph): two collectives on one input with equal arguments become one.
+    Whether two collectives are equal can differ between ranks: on a rank whose
+    tensor is empty by its static shape (a Ulysses rank with no head, a rank
+    with no rows to send) the gradients feeding several collectives can all be
+    one constant empty tensor, while on the others they differ. One rank would
+    then issue fewer collectives than another, and the step would hang.
+
+    So the k-th collective a trace issues on a group runs under the name
+    ``f"{group_name}:funcoll{k}"``, which this registers in c10d's group registry
+    for the same ``ProcessGroup``: no two collectives of a graph are equal, on any
+    rank, and the payload goes in as it is (no copy, no kernel between its
+    producer and the collective). It runs at trace time only (a constant of the
+    trace: dynamo neither guards on it nor records it), and eager code never
+    calls it.
+
+    What it costs: c10d's registry holds one name per collective of the largest
+    graph traced, each holding a reference to the group (which
+    ``destroy_process_group`` still shuts down). Inductor's bucketing merges only
+    collectives with one group name, so it leaves funcoll's apart, and its
+    overlap scheduler sees each as a group of its own. A graph compiled before
+    ``destroy_process_group()`` cannot run after it (recompile:
+    ``torch._dynamo.reset()``), and an exported graph runs only where funcoll
+    traced it. Names are counted per dynamo frame, so retracing a frame gives
+    the same names, which keeps compiled-code caches hitting.
+    """
+    trace = torch._guards.TracingContext.try_get()
+    key = _NO_TRACE if trace is None else trace
+    k = _NAMED.get(key, 0)
+    _NAMED[key] = k + 1
+    alias = f"{group_name}:funcoll{k}"
+    c10d = torch._C._distributed_c10d
+    pg = c10d._resolve_process_group(group_name)
+    try:
+        known = c10d._resolve_process_group(alias)
+    except Exception:  # noqa: BLE001 -- c10d raises RuntimeError/ValueError by version
+        known = None
+    if known is not pg:  # not yet named, or named for a group since destroyed
+        if known is not None:
+            c10d._unregister_process_group(alias)
+        c10d._register_process_group(alias, pg)
+    return alias
+
+
+def group_of(name: str) -> str:
+    """The group name that `name` stands for: `name`, or the group of a :func:`wire_name`."""
+    group, sep, k = name.rpartition(":funcoll")
+    return group if sep and k.isdigit() else name
 
 
 def resolve_group(opname: str, group: GroupLike) -> Group:

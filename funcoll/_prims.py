@@ -43,6 +43,7 @@ from torch import Tensor
 from . import _async, _faults
 from ._checks import IntLike
 from ._config import checks_enabled
+from ._group import wire_name
 from ._rows import cut_padding, pad_rows
 from ._strategy import all_equal, common_rows, resolve, sym_max
 
@@ -53,7 +54,7 @@ Stats = tuple[IntLike, IntLike, IntLike]
 
 
 def _run(
-    collective: str, group_name: str, issue: Callable[[], Tensor], step: str = "", *, defer: bool = True
+    collective: str, group_name: str, issue: Callable[[str], Tensor], step: str = "", *, defer: bool = True
 ) -> Tensor:
     """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
 
@@ -65,8 +66,9 @@ def _run(
     op, the collective and its `step` (:mod:`funcoll._faults`), at the issue or
     at that wait. ``defer=False`` waits at once: the size exchanges, whose values
     the host reads next. While compiling this is the issue and the wait, which
-    inductor's passes may move past independent work; under checks the wait is
-    ``funcoll::wait``, which names the op too.
+    inductor's passes may move past independent work; under checks a size
+    exchange's wait (``defer=False``) is ``funcoll::wait``, which names the op
+    too: the host reads the sizes next, so there is no overlap to lose.
 
     Eager, the issue and the wait dispatch below autograd. Every collective here
     runs inside a primitive's forward (grad off, funcoll's own backward) or on a
@@ -77,45 +79,18 @@ def _run(
     calling thread's CPU instead of 35-55 us).
     """
     if torch.compiler.is_compiling():
-        if checks_enabled():
-            return _faults.wait(issue(), _faults.traced_op(), collective, group_name, step)
-        return _F.wait_tensor(issue())
+        out = issue(wire_name(group_name))
+        if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
+            return _faults.wait(out, _faults.traced_op(), collective, group_name, step)
+        return _F.wait_tensor(out)
     try:
         with torch._C._AutoDispatchBelowAutograd():
-            out = issue()
+            out = issue(group_name)
             if not defer:
                 return _F.wait_tensor(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e
     return _async.defer(out, collective, group_name, step)
-
-
-def _payload(x: Tensor) -> Tensor:
-    """`x` as a collective's input: contiguous and, in a compiled graph, a node of its own.
-
-    Compilers merge equal nodes (AOT autograd's CSE on the joint graph),
-    collectives included: two collectives on equal inputs with equal arguments
-    become one. Whether two inputs are equal can differ between ranks: on a rank
-    whose tensor is empty by its static shape (a Ulysses rank with no head, a rank
-    with no rows to send) the gradients feeding several collectives can all be
-    the same constant empty tensor, while on the others they differ; and the same
-    tensor sent twice is merged on every rank whose input is not rebuilt per call.
-    Either way one rank issues fewer collectives than another and the step hangs.
-    So in a compiled graph every collective's input on every rank is ``x`` minus
-    the sum of a fresh empty tensor (exactly ``x``: ``x - 0`` keeps signed zeros,
-    NaNs and integers; a bool ``x`` is xor'ed with ``any()`` of one, ``False``).
-    ``aten.empty`` is never merged, so neither is the subtraction nor the
-    collective, on any rank, and the input keeps its place in the graph (an input
-    that no longer depended on the gradient would let the partitioner hoist a
-    backward collective into the forward). Inductor fuses the subtraction into
-    the kernel that produces ``x``; when ``x`` comes straight from a graph input or
-    a matmul it costs one copy of the payload.
-    """
-    if torch.compiler.is_compiling():
-        zero = torch.empty((0,), dtype=x.dtype, device=x.device)
-        fresh = x ^ zero.any() if x.dtype == torch.bool else x - zero.sum()
-        return fresh.contiguous()
-    return x.contiguous()
 
 
 def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
@@ -128,7 +103,7 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 # --------------------------------------------------------------------------- all_gather_p
 def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, defer: bool = True) -> Tensor:
     return _run(
-        "all_gather", group_name, lambda: _F.all_gather_into_tensor(_payload(x), world, group_name), step,
+        "all_gather", group_name, lambda g: _F.all_gather_into_tensor(x.contiguous(), world, g), step,
         defer=defer,
     )  # fmt: skip
 
@@ -154,14 +129,14 @@ def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
 def _avg_as_sum(collective: str, group_name: str, reduce_op: str, world: int, issue: Any) -> Tensor:
     """Run a reducing collective; avg runs as sum / world (not every backend has avg)."""
     o = "sum" if reduce_op == "avg" else reduce_op
-    y = _run(collective, group_name, lambda: issue(o))
+    y = _run(collective, group_name, lambda g: issue(o, g))
     return y / world if reduce_op == "avg" else y
 
 
 def _reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
     return _avg_as_sum(
         "reduce_scatter", group_name, reduce_op, world,
-        lambda o: _F.reduce_scatter_tensor(_payload(x), o, world, group_name),
+        lambda o, g: _F.reduce_scatter_tensor(x.contiguous(), o, world, g),
     )  # fmt: skip
 
 
@@ -196,7 +171,7 @@ def _scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
 # ---------------------------------------------------------------------------- all_reduce
 def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
     return _avg_as_sum(
-        "all_reduce", group_name, reduce_op, world, lambda o: _F.all_reduce(_payload(x), o, group_name)
+        "all_reduce", group_name, reduce_op, world, lambda o, g: _F.all_reduce(x.contiguous(), o, g)
     )
 
 
@@ -225,7 +200,7 @@ def _all_to_all(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name:
     """
     if x.is_complex():
         return torch.view_as_complex(_all_to_all(torch.view_as_real(x), recv, send, group_name))
-    return _run("all_to_all", group_name, lambda: _F.all_to_all_single(_payload(x), recv, send, group_name))
+    return _run("all_to_all", group_name, lambda g: _F.all_to_all_single(x.contiguous(), recv, send, g))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -314,7 +289,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
         _faults.remember(ctx)
         ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
-        return _run("broadcast", group_name, lambda: _F.broadcast(_payload(x), src, group_name))
+        return _run("broadcast", group_name, lambda g: _F.broadcast(x.contiguous(), src, g))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -334,7 +309,7 @@ class _Replicate(torch.autograd.Function):
         _faults.remember(ctx)
         ctx.reduce_op, ctx.world = reduce_op, world
         if reduce_op is None:
-            return _run("broadcast", group_name, lambda: _F.broadcast(_payload(x), src, group_name))
+            return _run("broadcast", group_name, lambda g: _F.broadcast(x.contiguous(), src, g))
         return _all_reduce_impl(x, reduce_op, group_name, world)
 
     @staticmethod

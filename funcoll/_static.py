@@ -147,7 +147,13 @@ def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g:
     table = (
         header.view(1, -1)
         if g.is_single
-        else _prims._all_gather_impl(header, g.name, g.size, "the counts exchange").view(g.size, -1)
+        else _prims._all_gather_impl(
+            header,
+            g.name,
+            g.size,
+            "the counts exchange",
+            defer=not checks_enabled(),  # checked: read next
+        ).view(g.size, -1)
     )
     if checks_enabled():
         checked = torch.ops.funcoll.check_counts(

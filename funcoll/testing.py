@@ -42,10 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _group
+
 __all__ = [
     "HostReads",
     "RankError",
     "count_host_reads",
+    "group_of",
     "in_flight",
     "launch",
     "recording_backend",
@@ -351,6 +354,22 @@ def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:
     backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=lambda gm, _: gm.forward,
                            partition_fn=partition)  # fmt: skip
     return backend, seqs
+
+
+def group_of(name: str) -> str:
+    """The c10d group that a compiled collective's group argument names.
+
+    In a compiled graph every funcoll collective runs under a group name of its
+    own, ``f"{group}:funcoll{k}"`` for the k-th collective a frame traces on
+    ``group``, registered with c10d for the same ``ProcessGroup``, so that no
+    compiler pass merges two collectives (docs/compile.md). A test that reads the
+    group names in a graph (``recording_backend``'s calls, ``TORCH_LOGS``) maps them
+    back with this; any other name is returned as it is. ::
+
+        group_of("0:funcoll3") == "0"
+        group_of(dist.group.WORLD.group_name) == dist.group.WORLD.group_name
+    """
+    return _group.group_of(name)
 
 
 @dataclass

@@ -12,10 +12,12 @@ not hang, within the process group's timeout and a margin (timed on the rank):
   off (the default users get);
 * no collective is left registered in c10d's work registry after the failure
   (what would make c10d warn of "unwaited collective calls" at exit);
-* inside a compiled step, under ``set_checks(True)``, the graph's ``funcoll::wait``
-  names the op and the step as eager code does, in the forward and in the
-  backward, whether rank 1 dies or stays away; with checks off the backend's own
-  error surfaces from the step, within the same bound (docs/errors.md, "Faults").
+* inside a compiled step, under ``set_checks(True)``, the header exchange's
+  ``funcoll::wait`` names the op and the step as eager code does, whether rank 1
+  dies or stays away before the forward; a failure at a data collective (rank 1
+  dies between forward and backward), and any failure with checks off, surfaces
+  as the backend's own error, within the same bound: the data collectives keep
+  the bare ``wait_tensor``, which inductor moves (docs/errors.md, "Faults").
 
 The fault in the middle of an op is injected by a dispatch mode on rank 1 that
 lets the first `n` functional collectives of the op through and exits the process
@@ -184,7 +186,6 @@ CASES = [
     # between its forward and backward.
     ("compiled:aot_eager", "stays_away", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
     ("compiled:inductor", "exits", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
-    ("compiled_backward:inductor", "exits", CHECKED, "funcoll.gather (backward): the all_to_all on group"),
 ]  # fmt: skip
 
 
@@ -212,8 +213,14 @@ def test_every_healthy_rank_fails_at_world_3() -> None:
         assert _funcoll_error(report).startswith("funcoll.gather: the all_to_all on group"), r
 
 
-def test_compiled_step_fails_with_the_backends_error_unchecked() -> None:
-    message, took = _run("compiled:aot_eager", "exits", checks=False)
+@pytest.mark.parametrize(
+    ("op", "checks"),
+    [("compiled:aot_eager", UNCHECKED), ("compiled_backward:inductor", CHECKED)],
+    ids=["forward-unchecked", "backward-checked"],
+)
+def test_compiled_data_collective_fails_with_the_backends_error(op: str, checks: bool) -> None:
+    """A compiled graph's data collectives keep the bare wait_tensor (movable), checked or not."""
+    message, took = _run(op, "exits", checks=checks)
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     report = _survivors(message, 2)[0]
     assert "Connection" in report or "Timed out" in report, report
