@@ -10,9 +10,9 @@ single-process reference. Ordering is checked, never time
 (benchmarks/bench_overlap.py measures it).
 
 Under ``funcoll.set_checks(True)`` the even ops first exchange a header and read
-it on the host: the data collective's wait must still come after the matmul,
-and the data collective should be issued only after that read (the check runs
-before the data it checks travels): not yet, an expected failure.
+it on the host: the data collective must be issued only after that read (the
+check runs before the data it checks travels), and its wait must still come
+after the matmul.
 """
 
 from __future__ import annotations
@@ -127,11 +127,6 @@ def test_wait_comes_after_independent_matmul(compiled: list[dict[str, Any]], nam
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the even ops' data collective does not depend on the check's host read, so raise_comms "
-    "issues it first (docs/overlap.md, Checks)",
-)
 @pytest.mark.parametrize("name", CHECKED)
 def test_checked_data_travels_after_the_check(compiled: list[dict[str, Any]], name: str) -> None:
     """The header's host read comes before the data collective, whatever the passes raise."""

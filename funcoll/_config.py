@@ -22,7 +22,9 @@ naming the rank and the value, before any data moves.
 Compiled code with checks on waits for each header exchange with ``funcoll::wait``
 (``_faults.wait``) instead of the bare ``wait_tensor``, so that a rank that died or
 stayed away before the op fails the step with the op's name, as in eager code.
-The data collectives keep the bare ``wait_tensor`` (inductor's passes move it).
+The data collectives keep the bare ``wait_tensor`` (inductor's passes move it), and
+their input depends on the check's host read (``_header.check_agreement``: one pass
+over the payload), so that no pass issues them before the check.
 
 Checks start off, or on when the environment says ``FUNCOLL_CHECKS=1``. A
 compiled region reads the switch when it is traced and is traced again when it

@@ -101,7 +101,7 @@ def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool)
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
     g = resolve_group(opname, group)
-    check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
+    x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
     # A 0-d x travels as one element (the backends want at least one dim).
@@ -224,7 +224,7 @@ def reduce_scatter(
             f"pass `sizes` for a ragged reduce-scatter"
         )
     n = x.shape[d] // g.size
-    check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), [n] * g.size)
+    x = check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), [n] * g.size)
     if g.is_single:
         y = fresh(x)
     else:
@@ -279,7 +279,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         y = unwire(_prims.replicate_p(wire(local), wop, 0, ax.name, ax.world), local.dtype)
         return ax.wrap(y, Replicate())
     g = resolve_group(opname, group)
-    check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
+    x = check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
     if g.is_single:
         return fresh(x)
     return unwire(_prims.all_reduce_p(wire(x), wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
@@ -419,7 +419,7 @@ def all_to_all(
                 f"all-to-all along one dim is funcoll.all_to_all_v"
             )
     expected = widths if widths is not None else [x.shape[gd]] * g.size
-    check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
+    x = check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
     if g.is_single:
         return fresh(x)
     mine = pieces[g.rank]
@@ -518,7 +518,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     dsts = [-1] * g.size  # the destination of every rank, -1 for none: what the check compares
     for src_rank, dst_rank in pairs:
         dsts[src_rank] = dst_rank
-    check_agreement("ppermute", x, g, sizes=dsts)
+    x = check_agreement("ppermute", x, g, sizes=dsts)
     if g.is_single:
         return fresh(x) if pairs else torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     dst = {s: d for s, d in pairs}.get(g.rank)
@@ -576,7 +576,7 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
         return ax.wrap(y, Replicate())
     g = resolve_group(opname, group)
     check_rank(opname, "src", src, g.size)
-    check_agreement("broadcast", x, g, args=(src, 0))
+    x = check_agreement("broadcast", x, g, args=(src, 0))
     if g.is_single:
         return fresh(x)
     return unwire(_prims.broadcast_p(wire(x), src, g.name, g.size, g.rank), x.dtype)

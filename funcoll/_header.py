@@ -156,6 +156,11 @@ def _host_ints_op(t: Tensor, key: str, rank: int) -> list[Tensor]:
     return [torch.empty((n, 0), dtype=torch.uint8) for n in _read(t, key, rank)]
 
 
+# The read is the check: never dead code, even where nothing reads its outputs (an even
+# op's check, whose ints only a runtime assert uses, which torch 2.11's graphs drop).
+torch.fx.node.has_side_effect(torch.ops.funcoll.host_ints.default)
+
+
 @_host_ints_op.register_fake
 def _host_ints_fake(t: Tensor, key: str, rank: int) -> list[Tensor]:
     ctx = torch.library.get_ctx()
@@ -415,7 +420,7 @@ def check_agreement(
     dim: int | None = None,
     args: tuple[int, int] = (0, 0),
     sizes: Sequence[IntLike] | None = None,
-) -> None:
+) -> Tensor:
     """With ``funcoll.set_checks(True)``: exchange a header, raise on every rank if the ranks disagree.
 
     For the even ops, before their data moves. `dim` is a dim whose length may
@@ -423,18 +428,45 @@ def check_agreement(
     agree; `args` the op's arguments that must agree, `sizes` what the op expects
     every rank's length along `dim` to be. Costs one small all_gather and one
     device-to-host read; does nothing with checks off or on one rank.
+
+    Returns `x`, for the op to send. In a compiled graph that is `x` minus a
+    number the check's read returns, zero at run time (the read raised otherwise)
+    and unknown to the compiler, taken on `x`'s bits as integers, so exactly `x`:
+    the data collective then depends on the read, and no pass issues it before
+    the check has run (inductor's overlap passes raise collectives as far as
+    their inputs allow, and torch 2.11 orders the graph so even without them).
+    It costs one pass over the payload, fused into the op that produces it where
+    there is one.
     """
     if not checks_enabled() or g.is_single:
-        return
+        return x
     tail = None if sizes is None else torch.tensor(list(sizes), dtype=torch.int64)
     _, ints = exchange(key, x, dim, g, args, tail)
-    # In a compiled graph the read is an op whose outputs nothing else uses. 2.13's
-    # aot_eager and inductor keep it anyway (compile_tests/test_checked_ops.py);
-    # the runtime assert ties it to the trace so that no dead-code pass can drop the
-    # check. A check-only op reads back x.dim(); the even reduce_scatter, whose
-    # header is the ragged one's, its first slice size.
+    if not torch.compiler.is_compiling():
+        return x
+    # A check-only op reads back x.dim(); the even reduce_scatter, whose header is
+    # the ragged one's, its first slice size. No torch._check that they are equal:
+    # the compiler would fold the difference to 0, and the data would no longer
+    # depend on the read.
     first = x.dim() if HEADERS[key].check_only else next(iter(sizes or [0]))
-    torch._check(ints[0] == first)
+    return after_read(x, ints[0] - first)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def after_read(x: Tensor, zero: IntLike) -> Tensor:
+    """`x`, computed from `zero`, a host read's 0: on its bits as integers, so NaNs and signed zeros keep.
+
+    Eager (`zero` a Python int) it is `x` itself. In a compiled graph the result
+    depends on the read, so no pass moves a collective that sends it above the read.
+    """
+    if not torch.compiler.is_compiling():
+        return x
+    bits = _BITS.get(x.element_size())
+    if bits is None:  # complex128: no integer type of 16 bytes, and x - 0 is exact for it
+        return x - zero
+    return (x.view(bits) - zero).view(x.dtype)
 
 
 def _allow_unbacked_output_sizes() -> None:

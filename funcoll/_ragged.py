@@ -309,7 +309,7 @@ def reduce_scatter_v(
     _check_total(opname, "sizes", given, x, dim)
     if g.is_single:
         return fresh(x)
-    check_agreement("reduce_scatter", x, g, dim, (REDUCE_OPS.index(reduce_op), 1), given)
+    x = check_agreement("reduce_scatter", x, g, dim, (REDUCE_OPS.index(reduce_op), 1), given)
     stats = (sym_min(given), sym_max(given), x.shape[dim])
     xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
     y = _prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats)

@@ -169,7 +169,7 @@ def split_forward_gather_backward(
         y = _SplitForwardGatherBackward.apply(local, d, scale, ax.name, ax.world, ax.rank, ax.sizes(d))
         return ax.wrap(y, Shard(d))
     x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
-    check_agreement("split_forward_gather_backward", x, g, args=(d, GRAD_SCALES.index(scale)))
+    x = check_agreement("split_forward_gather_backward", x, g, args=(d, GRAD_SCALES.index(scale)))
     if g.is_single:
         return fresh(x)
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank, None)

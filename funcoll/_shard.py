@@ -41,8 +41,14 @@ def _move(x: Tensor, dim: int, send: list[IntLike], recv: list[IntLike], g: Grou
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
 
-def _given_sizes(opname: str, x: Tensor, d: int, sizes: Sequence[int] | Tensor, g: Group) -> list[IntLike]:
-    """from_ragged's `sizes`: world host ints whose entry for this rank is its x.shape[d]."""
+def _given_sizes(
+    opname: str, x: Tensor, d: int, sizes: Sequence[int] | Tensor, g: Group
+) -> tuple[Tensor, list[IntLike]]:
+    """from_ragged's `sizes`: world host ints whose entry for this rank is its x.shape[d], and `x` to send.
+
+    `x` is the one :func:`check_agreement` returns: under checks, in a compiled
+    graph, one that no pass sends before the check.
+    """
     sizes = host_sizes(opname, "sizes", sizes, g.size)
     n, mine = x.shape[d], sizes[g.rank]
     check_equal(
@@ -51,8 +57,8 @@ def _given_sizes(opname: str, x: Tensor, d: int, sizes: Sequence[int] | Tensor, 
         f"{opname}: `sizes`[{g.rank}] is not this rank's x.shape[{d}]",
         lambda: f"{opname}: `sizes`={list(sizes)} says rank {g.rank} holds {mine}, but its x.shape[{d}]={n}",
     )
-    check_agreement("from_ragged", x, g, d, sizes=sizes)
-    return list(sizes)
+    x = check_agreement("from_ragged", x, g, d, sizes=sizes)
+    return x, list(sizes)
 
 
 def _mesh_dim(opname: str, group: object) -> tuple[DeviceMesh, int]:
@@ -158,7 +164,7 @@ def from_ragged(
     places = _placements(opname, mesh, m, d, placements)
     g = resolve_group(opname, (mesh, m))
     if sizes is not None:
-        sizes = _given_sizes(opname, x, d, sizes, g)
+        x, sizes = _given_sizes(opname, x, d, sizes, g)
         total = sum(sizes)
         send, recv = moves(sizes, chunk_sizes(total, g.size), g.rank)
     elif g.is_single:
@@ -227,7 +233,7 @@ def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | No
     check_total(opname, "sizes", sz, ax.x.shape[d], f"x.shape[{d}]")
     local = ax.local(d)
     g = Group(ax.name, ax.world, ax.rank)
-    check_agreement("to_ragged", local, g, d, sizes=sz)
+    local = check_agreement("to_ragged", local, g, d, sizes=sz)
     if g.is_single:
         return fresh(local)
     send, recv = moves(ax.sizes(d), sz, g.rank)

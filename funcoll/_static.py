@@ -25,7 +25,7 @@ from ._config import checks_enabled
 from ._dtensor import refuse_dtensor
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
-from ._header import DTYPES, MAX_DIMS, _dtype_code, _shape_columns
+from ._header import DTYPES, MAX_DIMS, _dtype_code, _shape_columns, after_read
 from ._rows import ints_on, pack
 from ._spec import spec
 from ._wire import unwire, wire
@@ -128,20 +128,27 @@ def _check_counts_op(table: Tensor, opname: str, n: int, bound: int) -> Tensor:
     return torch.empty((len(rows), 0), dtype=torch.uint8)
 
 
+torch.fx.node.has_side_effect(torch.ops.funcoll.check_counts.default)  # the check: never dead code
+
+
 @_check_counts_op.register_fake
 def _check_counts_fake(table: Tensor, opname: str, n: int, bound: int) -> Tensor:
-    # An unbacked length that the caller checks: the runtime assert keeps the op in the graph.
+    # An unbacked length, world at run time: the data the check releases depends on it.
     return torch.empty((torch.library.get_ctx().new_dynamic_size(), 0), dtype=torch.uint8)
 
 
-def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g: Group) -> Tensor:
+def _exchange(
+    opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g: Group
+) -> tuple[Tensor, IntLike | None]:
     """All-gather every rank's header on its own, and check it, before any data moves.
 
     Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
-    ``len(counts)`` columns every rank's counts (see :func:`_header`). With checks
-    on the table is read on the host and a broken contract raises funcoll's
-    ``ValueError`` on every rank, in eager and compiled code alike; with checks off
-    (one rank, or empty rows) it is a device-side assert.
+    ``len(counts)`` columns every rank's counts (see :func:`_header`), and a zero
+    that the check's host read returns (None with checks off), to release the
+    data with (:func:`funcoll._header.after_read`). With checks on the table is
+    read on the host and a broken contract raises funcoll's ``ValueError`` on
+    every rank, in eager and compiled code alike; with checks off (one rank, or
+    empty rows) it is a device-side assert.
     """
     header = _header(x, d, counts)
     table = (
@@ -159,10 +166,11 @@ def _exchange(opname: str, x: Tensor, d: int, counts: Tensor, bound: IntLike, g:
         checked = torch.ops.funcoll.check_counts(
             table, opname.removeprefix("funcoll."), counts.numel(), bound
         )
-        torch._check(checked.shape[0] == g.size)
-    else:
-        _check_table(opname, table, counts.numel(), bound, x, d)
-    return table
+        # No torch._check that this is 0: the compiler would fold it, and the data
+        # would no longer depend on the read.
+        return table, checked.shape[0] - g.size
+    _check_table(opname, table, counts.numel(), bound, x, d)
+    return table, None
 
 
 # The header travels in the data's collective as rows of the integer dtype of the
@@ -223,7 +231,9 @@ def _move(
     """
     twin = _fused(xm, g)
     if twin is None:  # the header first, on its own
-        table = _exchange(opname, x, d, counts, bound, g)
+        table, zero = _exchange(opname, x, d, counts, bound, g)
+        if zero is not None:  # checked: the data travels after the check
+            xm = after_read(xm, zero)
         return (xm if g.is_single else plain(xm)), bound, table, None
     header = _header(x, d, counts)
     extra = _header_rows(header, twin, xm.shape[1:])
