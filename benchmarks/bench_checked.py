@@ -10,11 +10,11 @@ spread is the range of the per-round ratios. Each rank holds rows of 1024 float3
 the same count on every rank, and the step is one op:
 
 - ``gather`` (ragged, sizes exchanged): checks add nothing to what it
-  exchanges, so the difference is the graph's waits alone: ``funcoll::wait``,
-  which copies each collective's result so that a fault names the op, against
-  the bare ``wait_tensor``;
+  exchanges, and its data collective keeps the bare ``wait_tensor`` either way
+  (only a header's wait is ``funcoll::wait``): the two graphs should cost the same;
 - ``all_gather`` (even): checks also add the cross-rank header (one small
-  all_gather and a host read) before the data.
+  all_gather and a host read) before the data, and make the payload depend on
+  the read (one pass over it), so that the data travels after the check.
 
 The two results are compared before timing.
 """
