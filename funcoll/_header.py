@@ -431,8 +431,8 @@ def check_agreement(
 
     Returns `x`, for the op to send. In a compiled graph that is `x` minus a
     number the check's read returns, zero at run time (the read raised otherwise)
-    and unknown to the compiler, taken on `x`'s bits as integers, so exactly `x`:
-    the data collective then depends on the read, and no pass issues it before
+    and unknown to the compiler, so exactly `x` (:func:`after_read`): the data
+    collective then depends on the read, and no pass issues it before
     the check has run (inductor's overlap passes raise collectives as far as
     their inputs allow, and torch 2.11 orders the graph so even without them).
     It costs one pass over the payload, fused into the op that produces it where
@@ -453,20 +453,27 @@ def check_agreement(
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Dtypes whose `x - 0` is exactly `x` (signed zeros and NaNs kept) and differentiable.
+_SUBTRACTS = {
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+}  # fmt: skip
 
 
 def after_read(x: Tensor, zero: IntLike) -> Tensor:
-    """`x`, computed from `zero`, a host read's 0: on its bits as integers, so NaNs and signed zeros keep.
+    """`x`, computed from `zero`, a host read's 0, exactly and with its gradient.
 
     Eager (`zero` a Python int) it is `x` itself. In a compiled graph the result
-    depends on the read, so no pass moves a collective that sends it above the read.
+    depends on the read, so no pass moves a collective that sends it above the
+    read: ``x - zero``, exact for these dtypes (signed zeros and NaNs kept) and
+    the identity for autograd; other dtypes (bool, float8), which have no
+    gradient, subtract on their bits as integers.
     """
     if not torch.compiler.is_compiling():
         return x
-    bits = _BITS.get(x.element_size())
-    if bits is None:  # complex128: no integer type of 16 bytes, and x - 0 is exact for it
+    if x.dtype in _SUBTRACTS:
         return x - zero
-    return (x.view(bits) - zero).view(x.dtype)
+    return (x.view(_BITS[x.element_size()]) - zero).view(x.dtype)
 
 
 def _allow_unbacked_output_sizes() -> None:
