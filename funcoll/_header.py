@@ -156,8 +156,8 @@ def _host_ints_op(t: Tensor, key: str, rank: int) -> list[Tensor]:
     return [torch.empty((n, 0), dtype=torch.uint8) for n in _read(t, key, rank)]
 
 
-# The read is the check: never dead code, even where nothing reads its outputs (an even
-# op's check, whose ints only a runtime assert uses, which torch 2.11's graphs drop).
+# The read is the check: never dead code, even where nothing reads its outputs (torch
+# 2.11 dropped an even op's check when only a runtime assert used its ints).
 torch.fx.node.has_side_effect(torch.ops.funcoll.host_ints.default)
 
 
