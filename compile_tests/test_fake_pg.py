@@ -13,11 +13,11 @@ W``, all_to_all_single split lists of length W) and the group's name, and that
 all_gather's output holds W blocks. Every world size runs in a subprocess of its own
 (``run_ranks`` with one rank, which then replaces its group by a fake one of W ranks).
 
-Every op is traced forward and backward at 64 ranks (the 2 to 4 of the other
-tests are real ranks). At 1024 ranks, every
-case that exchanges no sizes: the even ops, the padded ones, and the ragged ops given
-their sizes (1024 unbacked symbols), but for all_to_all with uneven heads (1024
-received pieces, each of its own width). An op that exchanges sizes traces
+Every op is traced forward and backward at 64 or 1024 ranks (the 2 to 4 of the
+other tests are real ranks). At 1024 ranks, every case that exchanges no sizes: the
+even ops, the padded ones, and the ragged ops given their sizes (1024 unbacked
+symbols), but for all_to_all with uneven heads (1024 received pieces, each of its
+own width); the others at 64 ranks. An op that exchanges sizes traces
 1024 unbacked sizes, and the partitioner re-evaluates their sums for every node:
 30 to 90 seconds an op at 1024, a tenth of that at 256. Their graphs' structure does
 not change past 64 ranks but for the ragged gather's "auto", which is one
@@ -55,10 +55,11 @@ _ALL = tuple(c.id for c in CASES if c.at_scale)
 _AUTO = "gather-auto-ragged-x_nx5-dim0"
 # The uneven heads split what arrives into 1024 pieces of different widths.
 _HEADS = "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2"
+_AT_1024 = tuple(c for c in _ALL if not CASES_BY_ID[c].exchanges_sizes and c != _HEADS)
 PLAN: dict[int, dict[str, bool]] = {
-    64: dict.fromkeys(_ALL, True),
+    64: {c: True for c in _ALL if c not in _AT_1024},  # the rest trace at 1024
     256: {_AUTO: True},  # past 64 ranks, "auto" pads
-    1024: {c: True for c in _ALL if not CASES_BY_ID[c].exchanges_sizes and c != _HEADS},
+    1024: dict.fromkeys(_AT_1024, True),
 }
 
 
