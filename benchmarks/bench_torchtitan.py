@@ -15,6 +15,11 @@ the dispatcher wired to a 1-D ``ep`` mesh:
 - ``funcoll exact`` / ``funcoll static``: ``FuncollTokenDispatcher`` in exact mode,
   and in static mode with ``capacity_factor=1.25`` (the router's own routing:
   pairs past the capacity are dropped).
+- ``funcoll dropless``: ``FuncollTokenDispatcher`` in dropless mode, starting at
+  ``capacity_factor=1.25``: static mode's step while the routing fits, exact mode's
+  dispatch when it overflows (the capacity then grows); nothing dropped. Its step
+  counts its overflows before and during the timed steps. Not compiled: compiled, it
+  is exact mode.
 - ``..., compiled``: the layer under ``torch.compile(fullgraph=True)`` (inductor),
   compiled before the timed steps.
 
@@ -95,6 +100,9 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
         "funcoll static": FuncollTokenDispatcher.Config(
             num_experts=e, top_k=K, mode="static", capacity_factor=1.25
         ),
+        "funcoll dropless": FuncollTokenDispatcher.Config(
+            num_experts=e, top_k=K, mode="dropless", capacity_factor=1.25
+        ),
     }
     rows = []
     for t in tokens:
@@ -103,7 +111,7 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
         for name, cfg in configs.items():
             layer = _layer(world, rank, cfg, mesh)
             methods[name] = (layer, layer)
-            if compile_ and name != "titan":
+            if compile_ and name not in ("titan", "funcoll dropless"):  # compiled dropless: exact's graph
                 compiled_layer = _layer(world, rank, cfg, mesh)
                 fn = torch.compile(compiled_layer, fullgraph=True, backend="inductor")
                 _step(fn, compiled_layer, x)  # compile before timing
@@ -120,10 +128,11 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's step
                 times[name].append(float(mine))
         base = statistics.median(times["titan"])
-        for name in methods:
+        for name, (_, layer) in methods.items():
             med = statistics.median(times[name])
+            dispatcher = layer.routed_experts.token_dispatcher
             rows.append({"world": world, "tokens": t, "method": name, "ms": med * 1e3, "ratio": med / base,
-                         "host_reads": reads[name]})  # fmt: skip
+                         "host_reads": reads[name], "overflows": getattr(dispatcher, "overflows", None)})  # fmt: skip
     return rows
 
 
@@ -135,14 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
     args = parser.parse_args(argv)
-    print("| world | T | method | step ms | vs titan | host reads |\n|---|---|---|---|---|---|")
+    print(
+        "| world | T | method | step ms | vs titan | host reads | overflows |\n|---|---|---|---|---|---|---|"
+    )
     for world in args.worlds:
         rows = testing.run_ranks(
             _body, world, args.tokens, args.rounds, args.iters, not args.no_compile, timeout=3000
         )[0]
         for r in rows:
             print(
-                f"| {r['world']} | {r['tokens']} | {r['method']} | {r['ms']:.1f} | {r['ratio']:.2f} | {r['host_reads']} |"
+                f"| {r['world']} | {r['tokens']} | {r['method']} | {r['ms']:.1f} | {r['ratio']:.2f} | {r['host_reads']} "
+                f"| {'' if r['overflows'] is None else r['overflows']} |"
             )
     return 0
 

@@ -22,7 +22,7 @@ Families (each one's own script documents its methods):
   and compiled, with the host reads per step; and, where torchtitan 0.3.0 is
   installed (``bench_torchtitan.py``), torchtitan's own MoE layer with its
   ``AllToAllTokenDispatcher`` (the baseline) and funcoll's
-  ``FuncollTokenDispatcher`` (exact, static), eager and compiled, up to 4096
+  ``FuncollTokenDispatcher`` (exact, static, dropless), eager and compiled, up to 4096
   tokens per rank (its bf16 grouped GEMMs on the CPU take seconds past that);
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
   ``funcoll.set_checks(True)`` against the same step unchecked;

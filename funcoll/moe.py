@@ -38,7 +38,15 @@ Modes, and where each reads the device on the host:
   the dropless bound ``T * k`` (every rank must then hold the same ``T``): each
   rank's receive buffer is ``world * T * k`` rows of ``H``. (On the wire each
   block has one spare row more, never data.)
-
+- ``"dropless"`` (with a `capacity`, eager only): static mode's layout when it
+  drops nothing, exact mode's otherwise, decided per dispatch. The counts'
+  exchange and one ``all_reduce`` (max) of the most pairs each rank routes to one
+  rank, and of the capacity (the group uses its largest), are issued together; one host read of the result (with exact mode's ints,
+  so an overflow reads nothing more) tells every rank alike which path to take.
+  Nothing outside the dispatch runs again: this is the dropless mode for a layer
+  that cannot wrap its step (a framework's token dispatcher). One host read per
+  dispatch, as exact mode; a compiled graph cannot branch on it, so compiling it
+  raises (compile ``"exact"``).
 - a :class:`Dropless` policy (``mode=policy``): dropless without a host read per
   layer. Inside ``policy.run(forward, ...)`` every dispatch is static with the
   policy's capacity and records, on the device, the capacity it needed; after
@@ -67,7 +75,7 @@ from ._header import host_ints
 
 __all__ = ["MODES", "Dropless", "MoEHandle", "combine", "dispatch"]
 
-MODES = ("exact", "static")
+MODES = ("exact", "static", "dropless")
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,9 @@ class MoEHandle:
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
         kept: static mode: bool ``(T * k,)``, token-major: whether the pair was sent (not dropped).
         topk_weights: the router's ``(T, k)`` weights if dispatch was given them, for combine.
+        group_needed: ``mode="dropless"``: the most pairs any rank of the group routed
+            to one rank, read on the host (the same on every rank); None otherwise. The
+            dispatch ran static mode if it was ``<= capacity``, exact mode otherwise.
     """
 
     mode: str
@@ -125,6 +136,7 @@ class MoEHandle:
     recv_counts: Tensor | None = None
     kept: Tensor | None = None
     topk_weights: Tensor | None = None
+    group_needed: int | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -327,6 +339,17 @@ def _check_dispatch_args(
         )
     if mode not in MODES:
         raise ValueError(f"{opname}: `mode`={mode!r} is not one of {MODES} or a funcoll.moe.Dropless policy")
+    if mode == "dropless":
+        if capacity is None:
+            raise ValueError(
+                f"{opname}: `capacity`=None: mode='dropless' needs the capacity its static path tries first"
+            )
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"{opname}: `mode`='dropless' cannot be compiled: it picks static or exact mode on a host "
+                f"read, which one graph cannot branch on; compile mode='exact' (dropless, one host read, "
+                f"one graph for every routing), or run a funcoll.moe.Dropless policy around the compiled forward"
+            )
     if capacity is not None:
         if not _is_int(capacity):
             raise TypeError(f"{opname}: `capacity` must be an int or None, got {type(capacity).__name__}")
@@ -334,7 +357,7 @@ def _check_dispatch_args(
             raise ValueError(f"{opname}: `capacity`={capacity} must be >= 0 (rows per destination rank)")
         if mode == "exact":
             raise ValueError(
-                f"{opname}: `capacity`={capacity} is for mode='static'; mode='exact' drops nothing"
+                f"{opname}: `capacity`={capacity} is for mode='static' or 'dropless'; mode='exact' drops nothing"
             )
     if not _is_int(align):
         raise TypeError(f"{opname}: `align` must be an int, got {type(align).__name__}")
@@ -467,13 +490,16 @@ def dispatch(
         group: the communicator.
         mode: ``"exact"`` (sizes read on the host once, nothing dropped),
             ``"static"`` (static shapes, no host read, a capacity per destination),
-            or a :class:`Dropless` policy (static with the policy's capacity inside
+            ``"dropless"`` (eager: static with the group's largest `capacity` if it
+            drops nothing on any rank, else exact; one host read), or a
+            :class:`Dropless` policy (static with the policy's capacity inside
             ``policy.run``, which reads one overflow flag per step and runs an
             overflowed step again in exact mode).
         capacity: static mode: rows each rank may send to each rank (``C``); the
             first ``C`` pairs in token-major order are kept, the rest dropped and
             counted in ``handle.dropped``. None: ``T * k``, dropless (every rank
-            must then hold the same ``T``). Must be None in exact mode.
+            must then hold the same ``T``). Dropless mode: the capacity of its
+            static path (required). Must be None in exact mode.
         align: each local expert's block in ``recv`` starts at a multiple of it
             and is padded with zero rows to one.
         counts: ``(E,)`` integer, this rank's pairs routed to each expert, if the
@@ -492,11 +518,16 @@ def dispatch(
         grouped GEMM; rows outside the blocks are zero. Exact mode: ``R`` is the sum
         of the counts, each rounded up to `align` (a data-dependent size: an
         unbacked SymInt when compiled). Static mode: ``R = world * C + E_local *
-        (align - 1)`` rounded up to `align`, a static size.
+        (align - 1)`` rounded up to `align`, a static size. Dropless mode: static
+        mode's ``recv`` and handle if ``handle.group_needed <= handle.capacity``
+        (then ``handle.mode == "static"`` and nothing was dropped; the capacity is
+        the group's largest), exact mode's otherwise.
 
     Host syncs: exact mode reads ``2 * world + 1`` ints on the host once (the rows
     sent to and received from each rank, which an uneven all-to-all takes as host
-    ints, and ``R``); static mode reads nothing.
+    ints, and ``R``); static mode reads nothing; dropless mode reads ``2 * world +
+    3`` once (the group's need and capacity, then exact mode's ints), after issuing
+    the counts' exchange and their all_reduce.
 
     Backward: combine's data movement without the weights: the gradient rows of
     ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
@@ -513,6 +544,10 @@ def dispatch(
         # rank 1: recv = [[3], [1]]        handle.counts = [1, 1]   (expert 2: 3; expert 3: 1)
         recv, handle = dispatch(x, topk_idx, 4, align=2)
         # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]   handle.ends = [2, 4]
+        recv, handle = dispatch(x, topk_idx, 4, mode="dropless", capacity=2)
+        # both: handle.group_needed = 2 (each rank sends 2 pairs to the other) <= 2: static mode
+        # rank 0: recv = [[2], [5], [4], [0]]   rank 1: recv = [[3], [1], [0], [0]]
+        # with capacity=1: exact mode, the first call's recv on each rank
     """
     opname = "funcoll.moe.dispatch"
     policy = mode if isinstance(mode, Dropless) else None
@@ -540,6 +575,29 @@ def dispatch(
         )
     n_pairs = expert.shape[0]
     pairs = torch.arange(n_pairs, device=device)
+    known: tuple[Tensor, list[int]] | None = None  # dropless: the counts exchanged and the ints read
+    group_needed = None
+    if mode == "dropless":
+        # Static if no rank of the group routes more pairs to one rank than the group's
+        # largest `capacity` (then nothing drops), exact otherwise: every rank reads the
+        # same two numbers, so every rank takes the same path with the same capacity
+        # (ranks whose capacities differ, from different token counts, agree on the
+        # largest). The counts' exchange and the all_reduce are issued together, before
+        # the read; both paths use the counts.
+        full = _count(expert, num_experts) if given is None else given
+        per_dest = full.view(world, e_local).sum(1)
+        recv_counts = _even.all_to_all(full.view(world, e_local), group, 0, 0)
+        agreed = _even.all_reduce(
+            torch.stack([per_dest.max(), per_dest.new_tensor(capacity)]), group=group, op="max"
+        )
+        padded = (recv_counts.sum(0) + (align - 1)) // align * align
+        # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
+        # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
+        # ints, so that an overflow reads nothing more.
+        ints = host_ints(torch.cat([agreed, per_dest, recv_counts.sum(1), padded.sum(0, True)]))
+        group_needed, capacity = ints[0], ints[1]
+        mode = "static" if group_needed <= capacity else "exact"
+        known = (recv_counts, ints[2:])
     if mode == "exact":
         keep = None
         # By expert: so by destination rank, then local expert, then pair (token-major).
@@ -589,8 +647,11 @@ def dispatch(
         per_expert = _count(expert, num_experts, keep.to(torch.int64))
         per_dest = wanted
     needed = per_dest.max()
-    # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
-    recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+    if known is None:
+        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
+        recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+    else:  # dropless: exchanged already (static mode's kept counts are all of them: it fit)
+        recv_counts = known[0]
     if mode == "exact":
         send_rows = x.index_select(0, send_index)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
@@ -598,8 +659,11 @@ def dispatch(
         # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
         # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
         # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
-        padded = (recv_counts.sum(0) + (align - 1)) // align * align
-        ints = host_ints(torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)]))
+        if known is None:
+            padded = (recv_counts.sum(0) + (align - 1)) // align * align
+            ints = host_ints(torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)]))
+        else:  # dropless, overflowed: read with the need
+            ints = known[1]
         send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
         n_in = sum(recv_sizes)
         torch._check(rows >= n_in)
@@ -640,7 +704,7 @@ def dispatch(
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
         dropped=dropped, needed=needed, topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
-        **extra,  # type: ignore[arg-type]
+        group_needed=group_needed, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     if policy is not None and mode == "static":
         policy._record(needed)

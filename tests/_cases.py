@@ -293,9 +293,11 @@ def draw_moe(world: int, draw: Draw) -> Case:
     """moe.dispatch, a scale per expert, moe.combine: each rank's input holds its T tokens and
     their k router weights side by side, ``(T, H + k)``, so x.grad checks both gradients."""
     k, e_local, hidden = draw.int(1, 2), draw.int(1, 3), draw.int(1, 3)
-    mode = draw.choice(("exact", "static"))
+    mode = draw.choice(("exact", "static", "dropless"))
     tokens = _lengths(draw, world, 4)
     capacity = None
+    if mode == "dropless":  # static if no rank routes more than it to one rank, exact otherwise
+        capacity = draw.int(0, 4)
     if mode == "static":
         capacity = draw.choice((None, *range(5)))
         if capacity is None:  # the dropless bound T * k needs the same T on every rank
@@ -785,7 +787,7 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
 def _moe_kept(case: Case, rank: int) -> list[bool]:
     """Static mode's rule: rank `rank` keeps its first `capacity` pairs per destination, (t, j) order."""
     a, routes = case.arg, case.arg("routing")[rank]
-    if a("mode") == "exact":
+    if a("mode") in ("exact", "dropless"):
         return [True] * len(routes)
     cap = a("k") * case.shapes[rank][0] if a("capacity") is None else a("capacity")
     seen = [0] * case.world
@@ -794,6 +796,13 @@ def _moe_kept(case: Case, rank: int) -> list[bool]:
         keep.append(seen[e // a("e_local")] < cap)
         seen[e // a("e_local")] += 1
     return keep
+
+
+def _moe_need(case: Case) -> int:
+    """The most pairs any rank routes to one rank: mode="dropless" runs static iff it fits the capacity."""
+    el = case.arg("e_local")
+    return max((sum(e // el == d for e in routes) for routes in case.arg("routing") for d in range(case.world)),
+               default=0)  # fmt: skip
 
 
 def _moe_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
@@ -810,7 +819,8 @@ def _moe_reference(case: Case, xs: list[Tensor]) -> list[list[Out]]:
             offsets.append(len(rows))
             counts.append(len(mine))
             rows += mine + [torch.zeros(h, dtype=torch.float64)] * (-len(mine) % align)
-        if a("mode") == "static":  # a static number of rows: zeros after the blocks
+        if a("mode") == "static" or (a("mode") == "dropless" and _moe_need(case) <= a("capacity")):
+            # a static number of rows: zeros after the blocks
             cap = k * case.shapes[0][0] if a("capacity") is None else a("capacity")
             total = w * cap + el * (align - 1)
             rows += [torch.zeros(h, dtype=torch.float64)] * (total + -total % align - len(rows))

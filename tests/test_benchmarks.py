@@ -53,11 +53,13 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     moe = {r["impl"]: r["host_syncs"] for r in data["records"] if r["family"] == "moe"}
     # per step of 2 layers: one a layer for the recipe and exact mode, one a step for Dropless
     recipe = {"titan": 2, "funcoll.moe exact": 2, "funcoll.moe static": 0, "funcoll.moe dropless": 1}
-    # torchtitan's own layer (one): its dispatcher reads its splits twice, exact mode once, static never
+    # torchtitan's own layer (one): its dispatcher reads its splits twice, exact and dropless modes
+    # once, static never
     layer = {
         "torchtitan layer: titan": 2,
         "torchtitan layer: funcoll exact": 1,
         "torchtitan layer: funcoll static": 0,
+        "torchtitan layer: funcoll dropless": 1,
     }
     assert moe == (recipe | layer if importlib.util.find_spec("torchtitan") else recipe), moe
     overlap = [r for r in data["records"] if r["family"] == "overlap"]

@@ -35,7 +35,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import in_flight, run_ranks
+from funcoll.testing import count_host_reads, in_flight, run_ranks
 
 WORLDS = (2, 3, 4)
 SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "moe_layer.py"
@@ -92,9 +92,15 @@ def cases(world: int) -> list[Case]:
         c(world, (63, *ragged[1:]), 30, 2, 4, 1, "static", "uniform", capacity=23),
         # Dropless policy: the first step overflows and runs again in exact mode, the
         # second fits the grown capacity; or the capacity fits from the start.
+        c(world, ragged, 4, 2, 2, 4, "policy", "skewed", capacity=1),
+        c(world, ragged, 3, 1, 1, 1, "policy", "one_expert", capacity=0),
+        c(world, ragged, 5, 2, 2, 1, "policy", "uniform", capacity=16),
+        # mode="dropless": static when every rank fits, exact when one overflows; the
+        # capacity given differs by rank (the group takes its largest).
         c(world, ragged, 4, 2, 2, 4, "dropless", "skewed", capacity=1),
-        c(world, ragged, 3, 1, 1, 1, "dropless", "one_expert", capacity=0),
+        c(world, equal, 3, 1, 1, 1, "dropless", "one_expert", capacity=0),
         c(world, ragged, 5, 2, 2, 1, "dropless", "uniform", capacity=16),
+        c(world, (63, *ragged[1:]), 30, 2, 2, 4, "dropless", "zero_experts", capacity=40),
     ]
 
 
@@ -160,14 +166,21 @@ def given_at_dispatch(case: Case) -> bool:
 
 def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: Any) -> tuple[Tensor, ...]:
     capacity = case.capacity if case.mode == "static" else None
+    if case.mode == "dropless":  # the group uses the largest: rank 0's
+        capacity = rank_capacity(
+            case, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        )
     kw: dict[str, Any] = {"mode": mode, "capacity": capacity, "align": case.align}
     if given_at_dispatch(case):
         kw["counts"] = torch.bincount(idx.reshape(-1), minlength=case.num_experts).to(torch.int32)
         kw["topk_weights"] = w
-    recv, h = moe.dispatch(x, idx, case.num_experts, **kw)
+    with count_host_reads() as reads:
+        recv, h = moe.dispatch(x, idx, case.num_experts, **kw)
+    seen = (h.mode, h.capacity, h.group_needed, reads.count)
     y = run_experts(recv, h.counts, h.offsets, weights)
     out = moe.combine(y, h) if given_at_dispatch(case) else moe.combine(y, h, w)
-    return out, recv, h.counts, h.offsets, h.dropped, h.ends
+    # what ran: (mode, capacity, the group's need for mode="dropless", host reads)
+    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen
 
 
 def run_case(case: Case, rank: int) -> dict[str, Any]:
@@ -177,10 +190,10 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     x.requires_grad_()
     w.requires_grad_()
     extra: dict[str, Any] = {}
-    if case.mode == "dropless":  # two steps of the same batch through one policy
+    if case.mode == "policy":  # two steps of the same batch through one policy
         assert case.capacity is not None
         policy = moe.Dropless(case.capacity)
-        out, recv, counts, offsets, dropped, ends = policy.run(layer, case, x, idx, w, weights, policy)
+        out, recv, counts, offsets, dropped, ends, _ = policy.run(layer, case, x, idx, w, weights, policy)
         extra["step0"] = (policy.replays, policy.capacity, policy.needed)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
@@ -188,9 +201,11 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped, ends = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends, seen = layer(case, x, idx, w, weights, case.mode)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
+        if case.mode == "dropless":  # (mode run, capacity, group's need, host reads)
+            extra["seen"], extra["checked"] = seen, funcoll.checks_enabled()
     return {
         "recv": recv.detach(),
         "counts": counts,
@@ -254,6 +269,11 @@ def docstring_example(rank: int) -> dict[str, Any]:
     idx = [torch.tensor([[0], [1], [0]]), torch.tensor([[2]])][rank]
     out["dropless"] = policy.run(forward, x, idx, torch.ones(x.shape[0], 1)).tolist()
     out["policy"] = (policy.replays, policy.capacity)
+    # dispatch's mode="dropless" example: the first example's inputs
+    x = [torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[4.0], [5.0]])][rank]
+    for cap in (2, 1):
+        recv, handle = moe.dispatch(x, topk_idx, 4, mode="dropless", capacity=cap)
+        out[f"dropless{cap}"] = (recv.tolist(), handle.mode, handle.group_needed)
     return out
 
 
@@ -327,6 +347,12 @@ def run_batch(rank: int, world: int, batch: list[Case]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ reference
+def rank_capacity(case: Case, rank: int) -> int:
+    """mode="dropless": rank r passes ``capacity - r`` (at least 0), so the ranks' capacities differ."""
+    assert case.capacity is not None
+    return max(case.capacity - rank, 0)
+
+
 def kept(case: Case, idx: Tensor) -> Tensor:
     """Static mode's rule: a rank keeps the first `capacity` pairs per destination, token-major."""
     flat = idx.reshape(-1)
@@ -384,8 +410,9 @@ def reference(case: Case) -> dict[str, Any]:
             at += n + pad
         recv = torch.stack(blocks) if blocks else torch.zeros(0, case.hidden, dtype=torch.float64)
         # A static number of rows: zeros after the blocks. The dropless policy's first step
-        # returns static mode's layout when it fits its capacity, exact mode's otherwise.
-        static = case.mode == "static" or (case.mode == "dropless" and needed(case) <= cap)
+        # and mode="dropless" return static mode's layout when it fits the capacity, exact
+        # mode's otherwise.
+        static = case.mode == "static" or (case.mode in ("policy", "dropless") and needed(case) <= cap)
         if static:
             total = -(-(case.world * cap + case.e_local * (case.align - 1)) // case.align) * case.align
             recv = torch.cat([recv, recv.new_zeros(total - recv.shape[0], case.hidden)])
@@ -457,7 +484,15 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
             got["dW"], ref["dW"][mine], msg=lambda m, where=where: f"{where} W.grad: {m}"
         )
         assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited"
-        if case.mode == "dropless":  # (replays, capacity, agreed need) after each of two steps
+        if case.mode == "dropless":  # static iff the group's need fits its largest capacity
+            need = needed(case)
+            # one host read; under set_checks(True) (this directory's), one more for the
+            # cross-rank check of each even collective: the counts, the need, static's blocks
+            fits = need <= case.capacity  # type: ignore[operator]
+            reads = (4 if fits else 3) if got["checked"] else 1
+            want = ("static", case.capacity, need, reads) if fits else ("exact", None, need, reads)
+            assert got["seen"] == want, f"{where}: (mode, capacity, group_needed, host reads) {got['seen']}"
+        if case.mode == "policy":  # (replays, capacity, agreed need) after each of two steps
             assert case.capacity is not None
             torch.testing.assert_close(
                 got["out1"], ref["out"][r], msg=lambda m, where=where: f"{where} out1: {m}"
@@ -530,6 +565,10 @@ def test_docstring_examples_hold(batches: Batches) -> None:
     assert rank0["combined"] == [[0.5], [2.0], [6.0]] and rank1["combined"] == [[4.0], [5.0]]
     assert rank0["dropless"] == [[1.0], [2.0], [3.0]] and rank1["dropless"] == [[4.0]]
     assert rank0["policy"] == rank1["policy"] == (1, 4)
+    assert rank0["dropless2"] == ([[2.0], [5.0], [4.0], [0.0]], "static", 2)
+    assert rank1["dropless2"] == ([[3.0], [1.0], [0.0], [0.0]], "static", 2)
+    assert rank0["dropless1"] == ([[2.0], [5.0], [4.0]], "exact", 2)
+    assert rank1["dropless1"] == ([[3.0], [1.0]], "exact", 2)
 
 
 def test_replay_leaves_the_state_of_a_step_that_fit(batches: Batches) -> None:
@@ -569,7 +608,13 @@ def test_benchmark_quick_run() -> None:
 def test_single_rank_without_process_group() -> None:
     """No process group: every expert is local, and the result is the reference's."""
     case = Case(1, (7,), 4, 2, 3, 4, "exact", "uniform")
-    for mode, capacity in (("exact", None), ("static", None), ("dropless", 1)):
+    for mode, capacity in (
+        ("exact", None),
+        ("static", None),
+        ("policy", 1),
+        ("dropless", 1),
+        ("dropless", 20),
+    ):
         c = Case(**{**case.__dict__, "mode": mode, "capacity": capacity})
         got = run_case(c, 0)
         ref = reference(c)
@@ -604,7 +649,21 @@ X, IDX = torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.int64)
         ({"mode": "auto"}, ValueError, "funcoll.moe.dispatch: `mode`='auto' is not one of"),
         ({"mode": "static", "capacity": -1}, ValueError, "funcoll.moe.dispatch: `capacity`=-1 must be >= 0"),
         ({"mode": "static", "capacity": 2.5}, TypeError, "funcoll.moe.dispatch: `capacity` must be an int"),
-        ({"capacity": 4}, ValueError, "funcoll.moe.dispatch: `capacity`=4 is for mode='static'"),
+        (
+            {"capacity": 4},
+            ValueError,
+            "funcoll.moe.dispatch: `capacity`=4 is for mode='static' or 'dropless'",
+        ),
+        (
+            {"mode": "dropless"},
+            ValueError,
+            "funcoll.moe.dispatch: `capacity`=None: mode='dropless' needs the capacity",
+        ),
+        (
+            {"mode": "dropless", "capacity": -2},
+            ValueError,
+            "funcoll.moe.dispatch: `capacity`=-2 must be >= 0",
+        ),
         ({"align": 0}, ValueError, "funcoll.moe.dispatch: `align`=0 must be >= 1"),
         ({"align": True}, TypeError, "funcoll.moe.dispatch: `align` must be an int"),
         ({"counts": [2, 2, 2, 2]}, TypeError, "funcoll.moe.dispatch: `counts` must be a torch.Tensor"),
@@ -631,6 +690,18 @@ def test_dispatch_errors(kwargs: dict[str, Any], error: type, start: str) -> Non
     with pytest.raises(error) as info:
         moe.dispatch(args.pop("x"), args.pop("topk_idx"), args.pop("num_experts"), **args)
     assert str(info.value).startswith(start), str(info.value)
+
+
+def test_dropless_mode_refuses_to_compile() -> None:
+    """A compiled graph cannot branch on the overflow's host read: a clear error, at trace time."""
+
+    def fn(x: Tensor, idx: Tensor) -> Tensor:
+        return moe.dispatch(x, idx, 4, mode="dropless", capacity=2)[0]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"funcoll.moe.dispatch: `mode`='dropless' cannot be compiled"):
+        torch.compile(fn, fullgraph=True, backend="eager")(X, IDX)
+    torch._dynamo.reset()
 
 
 def test_dropless_errors() -> None:

@@ -19,8 +19,8 @@ references):
 * ``from_ragged`` of ragged pieces into a DTensor, then ``to_ragged`` to other per-rank lengths;
 * DTensor inputs on a 1-D mesh of every op that takes one (Shard/Partial/Replicate in, the
   placement the op's table gives out, uneven torch.chunk shards and empty ones included);
-* ``funcoll.moe.dispatch`` then ``combine``, exact and static mode (a capacity of 0 to 4, or
-  None), T of 0 to 4 tokens per rank, random routing, k of 1 or 2, 1 to 3 experts per rank,
+* ``funcoll.moe.dispatch`` then ``combine``, exact, static (a capacity of 0 to 4, or None)
+  and dropless mode (a capacity of 0 to 4: static or exact), T of 0 to 4 tokens per rank, random routing, k of 1 or 2, 1 to 3 experts per rank,
   `align` 1 or 2, each expert scaling its rows: ``recv``, counts, offsets, dropped and the
   combined output, and the float64 gradients of the tokens and of the router weights (one
   input holds both, side by side);

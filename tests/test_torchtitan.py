@@ -8,7 +8,9 @@ the one that runs on gloo) and once with
 its ``E / world`` experts and the dispatchers wired to a 1-D ``ep`` mesh as
 torchtitan's ``RoutedExperts.parallelize`` wires them. Routings: the router's own,
 every token to experts 0 and 1, every token to rank 0's experts (the other ranks
-receive nothing), and (exact mode) a rank holding no tokens.
+receive nothing), and (exact and dropless modes) a rank holding no tokens. Dropless
+mode runs with a capacity that overflows on most routings (its dispatch falls back to
+exact mode, and the next step fits the capacity it grew to) and one that fits.
 
 Checked, per rank: the output and the gradients of the tokens, the router's gate
 and the local experts' weights against a dense single-process layer in float64 on
@@ -55,14 +57,18 @@ E, K, D, F = 8, 2, 16, 24
 TOKENS = 7  # per rank (B = 1); "empty": rank 1 holds none
 ROUTINGS = ("router", "experts01", "rank0", "empty")
 # (name, FuncollTokenDispatcher.Config kwargs). Static: a capacity that drops nothing.
+# Dropless: one that overflows on most routings (then exact mode), and one that fits.
 MODES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("exact", {"mode": "exact"}),
     ("exact-align4", {"mode": "exact", "align": 4}),
     ("static", {"mode": "static", "capacity": TOKENS * K}),
+    ("dropless", {"mode": "dropless", "capacity": 2, "align": 4}),
+    ("dropless-fits", {"mode": "dropless", "capacity": TOKENS * K}),
 )
 PARAMS = ("x", "gate", "w1", "w2", "w3")
 # Compiled with inductor, forward and backward: the whole layer takes about 30 s a case here.
-COMPILED = ((2, "exact", "router"), (2, "exact-align4", "empty"), (2, "static", "rank0"))
+# Dropless compiles exact mode's graph (exact-align4's, here with an empty rank).
+COMPILED = ((2, "exact", "router"), (2, "dropless", "empty"), (2, "static", "rank0"))
 
 
 def _tokens(world: int, rank: int, routing: str) -> int:
@@ -153,6 +159,12 @@ def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str
     _force(ours, ids)
     got["funcoll"] = _step(ours, x, upstream)
     got["ids"] = _chosen_ids(ours, x)
+    dispatcher = ours.routed_experts.token_dispatcher
+    got["overflows"] = dispatcher.overflows
+    if kwargs["mode"] == "dropless":  # a second step: the capacity grown after an overflow fits
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), got["funcoll"]["out"])
+        got["overflows_after"] = dispatcher.overflows
     theirs = _build(world, rank, AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mesh)
     _force(theirs, ids)
     got["torchtitan"] = _step(theirs, x, upstream)
@@ -184,8 +196,8 @@ def _body(rank: int, world: int) -> dict[tuple[str, str], Any]:
     out = {}
     for mode, kwargs in MODES:
         for routing in ROUTINGS:
-            if routing == "empty" and kwargs["mode"] != "exact":
-                continue  # static mode with no capacity given needs the same T on every rank
+            if routing == "empty" and kwargs["mode"] == "static":
+                continue  # keep static mode's cases to ranks of one T
             out[(mode, routing)] = _case(world, rank, mesh, mode, routing)
     return out
 
@@ -236,7 +248,7 @@ def _params() -> list[Any]:
         for world in WORLDS
         for mode, kwargs in MODES
         for routing in ROUTINGS
-        if routing != "empty" or kwargs["mode"] == "exact"
+        if routing != "empty" or kwargs["mode"] != "static"
     ]
 
 
@@ -281,8 +293,16 @@ def test_dispatcher_in_torchtitans_layer_matches_dense_and_torchtitan(
                 msg=lambda m, n=name, w=where: f"{w} {n}.grad vs torchtitan: {m}",
             )
         counts = torch.bincount(got["ids"].reshape(-1), minlength=E).float()
+        # the router's load-balancing counter counts each token once, dropless overflow or not
         assert ours["counter"].tolist() == counts.tolist() == theirs["counter"].tolist(), where
         assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited"
+        if mode.startswith("dropless"):  # exact mode iff some rank routes more than the capacity to one rank
+            need = max(int((r["ids"] // (E // world) == d).sum()) for r in ranks for d in range(world))
+            assert got["overflows"] == got["overflows_after"] == int(need > dict(MODES)[mode]["capacity"]), (
+                where,
+                need,
+                got["overflows"],
+            )
 
 
 @pytest.mark.parametrize(
@@ -304,8 +324,8 @@ def test_dispatcher_compiled_on_inductor_matches_dense(world: int, mode: str, ro
 
 def test_config_errors_name_the_dispatcher() -> None:
     where = "funcoll.integrations.torchtitan.FuncollTokenDispatcher"
-    with pytest.raises(ValueError, match=rf"^{where}: `mode`='dropless' is not one of"):
-        FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode="dropless").build()
+    with pytest.raises(ValueError, match=rf"^{where}: `mode`='auto' is not one of"):
+        FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode="auto").build()
     with pytest.raises(
         ValueError, match=rf"^{where}: `capacity`=4 / `capacity_factor`=None are for mode='static'"
     ):
@@ -329,3 +349,7 @@ def test_override_swaps_torchtitans_dispatcher_config() -> None:
     dispatcher = cfg.build()
     assert isinstance(dispatcher, FuncollTokenDispatcher)
     assert dispatcher._capacity(10, 4) == 8  # ceil(1.5 * 10 tokens * top-2 / 4 ranks)
+    dropless = funcoll_dispatcher(
+        AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mode="dropless"
+    ).build()
+    assert (dropless.mode, dropless.grow, dropless._capacity(10, 4)) == ("dropless", True, 5)  # factor 1.0

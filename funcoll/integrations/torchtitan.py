@@ -14,6 +14,16 @@ subclass of torchtitan's ``BaseEPTokenDispatcher`` with a ``Config``, built on
   ``capacity`` (token, choice) pairs to each rank, the first ones in token order,
   and drops the rest (their output is zero). ``capacity_factor`` instead sets
   ``capacity = ceil(capacity_factor * T * k / ep)`` from the layer's token count.
+* ``mode="dropless"``: nothing dropped, static shapes while the routing fits. Each
+  dispatch tries static mode's capacity (``capacity``, or ``capacity_factor``,
+  default 1.0) and falls back to exact mode when some rank of the EP group would
+  drop a pair (:func:`funcoll.moe.dispatch`'s ``mode="dropless"``: one host read
+  per layer, as exact mode). Only the dispatch is redone, inside the dispatcher:
+  no forward runs twice, so the router's load-balancing counter, or any other
+  forward side effect, happens once. After an overflow the capacity grows to the
+  power of two that fits (``grow``). Compiled, a graph cannot branch on the
+  overflow: the dispatcher dispatches in exact mode there (nothing dropped, the
+  same one host read, one graph for every routing).
 
 It takes what torchtitan already has: the per-expert counts its MoE layer
 computed (no recount) and the router's scores at dispatch (combine weights by
@@ -62,7 +72,7 @@ from .. import moe
 
 __all__ = ["FuncollTokenDispatcher", "funcoll_dispatcher"]
 
-MODES = ("exact", "static")
+MODES = ("exact", "static", "dropless")
 
 
 class FuncollTokenDispatcher(BaseEPTokenDispatcher):
@@ -70,13 +80,19 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
 
     Config:
         num_experts, top_k: as torchtitan's dispatchers take them.
-        mode: ``"exact"`` (nothing dropped, one host read per layer) or
-            ``"static"`` (static shapes, no host read, a capacity per destination).
-        capacity: static mode: (token, choice) pairs each rank may send to each rank.
-        capacity_factor: static mode, instead of `capacity`: ``capacity =
-            ceil(capacity_factor * T * top_k / ep)`` for a layer of ``T`` tokens.
+        mode: ``"exact"`` (nothing dropped, one host read per layer),
+            ``"static"`` (static shapes, no host read, a capacity per destination)
+            or ``"dropless"`` (static while it fits, exact otherwise; one host read
+            per layer; exact when compiled).
+        capacity: static and dropless modes: (token, choice) pairs each rank may
+            send to each rank (dropless: the static path's first capacity).
+        capacity_factor: instead of `capacity`: ``capacity = ceil(capacity_factor *
+            T * top_k / ep)`` for a layer of ``T`` tokens (dropless's default: 1.0).
         align: each local expert's block starts at a multiple of it (zero rows
             between blocks), for grouped GEMMs that want aligned groups.
+        grow: dropless mode: after an overflow, use the smallest power of two that
+            fits from then on (default True). ``overflows`` counts the dispatches
+            that fell back to exact mode.
 
     ``dispatch`` returns ``(routed_input, block_sizes, handle)``: the tokens grouped
     by local expert (:func:`funcoll.moe.dispatch`'s ``recv``), each local expert's
@@ -93,6 +109,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         capacity: int | None = None
         capacity_factor: float | None = None
         align: int = 1
+        grow: bool = True
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -105,7 +122,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
             raise ValueError(
                 "funcoll.integrations.torchtitan.FuncollTokenDispatcher: "
                 f"`capacity`={config.capacity} / `capacity_factor`={config.capacity_factor} are for "
-                "mode='static'; mode='exact' drops nothing"
+                "mode='static' or 'dropless'; mode='exact' drops nothing"
             )
         if config.capacity is not None and config.capacity_factor is not None:
             raise ValueError(
@@ -121,11 +138,17 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         self.capacity = config.capacity
         self.capacity_factor = config.capacity_factor
         self.align = config.align
+        self.grow = config.grow
+        self.overflows = 0  # dropless: dispatches that fell back to exact mode
+        self._grown = 0  # dropless: the capacity the last overflow grew to
 
     def _capacity(self, tokens: int, ep: int) -> int | None:
-        if self.mode == "exact" or self.capacity_factor is None:
+        if self.mode == "exact":
+            return None
+        factor = 1.0 if self.mode == "dropless" and self.capacity is None else self.capacity_factor
+        if factor is None:
             return self.capacity
-        return math.ceil(self.capacity_factor * tokens * self.top_k / ep)
+        return math.ceil(factor * tokens * self.top_k / ep)
 
     def dispatch(  # type: ignore[override]
         self,
@@ -139,17 +162,27 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
             return LocalTokenDispatcher.dispatch(
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
+        mode, capacity = self.mode, self._capacity(x_TD.shape[0], self.ep_mesh.size())
+        if mode == "dropless":
+            if torch.compiler.is_compiling():  # a graph cannot branch on the overflow: exact, dropless
+                mode, capacity = "exact", None
+            else:
+                capacity = max(capacity, self._grown)  # type: ignore[type-var]
         recv, handle = moe.dispatch(
             x_TD,
             topk_expert_ids_TK,
             self.num_experts,
             group=self.ep_mesh,
-            mode=self.mode,
-            capacity=self._capacity(x_TD.shape[0], self.ep_mesh.size()),
+            mode=mode,
+            capacity=capacity,
             align=self.align,
             counts=num_local_tokens_per_expert_E,
             topk_weights=topk_scores_TK,
         )
+        if handle.group_needed is not None and handle.mode == "exact":  # dropless overflowed
+            self.overflows += 1
+            if self.grow:
+                self._grown = 1 << (handle.group_needed - 1).bit_length()
         # GroupedExperts takes block sizes and cumsums them into grouped_mm's offs:
         # the padded sizes, so that their cumulative sum is handle.ends.
         sizes = torch.diff(handle.ends, prepend=handle.ends.new_zeros(1))
@@ -166,7 +199,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
 
 @override(
     target=AllToAllTokenDispatcher.Config,
-    description="funcoll.moe's token dispatch (exact or static shapes), compiled without graph breaks.",
+    description="funcoll.moe's token dispatch (exact, static or dropless), compiled without graph breaks.",
 )
 def funcoll_dispatcher(
     cfg: AllToAllTokenDispatcher.Config,
@@ -175,6 +208,7 @@ def funcoll_dispatcher(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     align: int = 1,
+    grow: bool = True,
 ) -> FuncollTokenDispatcher.Config:
     """torchtitan override: every ``AllToAllTokenDispatcher`` of the model becomes a :class:`FuncollTokenDispatcher`."""
     return FuncollTokenDispatcher.Config(
@@ -184,4 +218,5 @@ def funcoll_dispatcher(
         capacity=capacity,
         capacity_factor=capacity_factor,
         align=align,
+        grow=grow,
     )
