@@ -183,7 +183,10 @@ class Dropless:
     (a framework's MoE layer) can run the policy around the layer's own dispatch,
     experts and combine, ``policy.run(self._routed, x, ...)`` in its forward; only
     that part runs again after an overflow, and the policy reads the host once per
-    layer instead of once per step. Eager only: the read is a graph break.
+    layer instead of once per step. Eager only: the read is a graph break. Where
+    not even the layer's experts can be wrapped (a framework's token dispatcher),
+    :func:`dispatch`'s ``mode="dropless"`` decides per dispatch and redoes only the
+    dispatch: nothing reruns.
 
     Args:
         capacity: the static capacity to start with (rows per block, the same on

@@ -353,3 +353,8 @@ def test_override_swaps_torchtitans_dispatcher_config() -> None:
         AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mode="dropless"
     ).build()
     assert (dropless.mode, dropless.grow, dropless._capacity(10, 4)) == ("dropless", True, 5)  # factor 1.0
+    # after an overflow: the need rounded up to 4 significant bits, never more than 1/8 above it
+    from funcoll.integrations.torchtitan import _round_up
+
+    assert [_round_up(n) for n in (1, 15, 17, 33, 4300)] == [1, 15, 18, 36, 4608]
+    assert all(n <= _round_up(n) <= n + n // 8 for n in range(1, 5000))

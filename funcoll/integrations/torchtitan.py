@@ -20,8 +20,8 @@ subclass of torchtitan's ``BaseEPTokenDispatcher`` with a ``Config``, built on
   drop a pair (:func:`funcoll.moe.dispatch`'s ``mode="dropless"``: one host read
   per layer, as exact mode). Only the dispatch is redone, inside the dispatcher:
   no forward runs twice, so the router's load-balancing counter, or any other
-  forward side effect, happens once. After an overflow the capacity grows to the
-  power of two that fits (``grow``). Compiled, a graph cannot branch on the
+  forward side effect, happens once. After an overflow the capacity grows to what
+  fits, rounded up to 4 significant bits: at most 1/8 above the need (``grow``). Compiled, a graph cannot branch on the
   overflow: the dispatcher dispatches in exact mode there (nothing dropped, the
   same one host read, one graph for every routing).
 
@@ -90,8 +90,8 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
             T * top_k / ep)`` for a layer of ``T`` tokens (dropless's default: 1.0).
         align: each local expert's block starts at a multiple of it (zero rows
             between blocks), for grouped GEMMs that want aligned groups.
-        grow: dropless mode: after an overflow, use the smallest power of two that
-            fits from then on (default True). ``overflows`` counts the dispatches
+        grow: dropless mode: after an overflow, use the need rounded up to 4
+            significant bits (at most 1/8 more) from then on (default True). ``overflows`` counts the dispatches
             that fell back to exact mode.
 
     ``dispatch`` returns ``(routed_input, block_sizes, handle)``: the tokens grouped
@@ -182,7 +182,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         if handle.group_needed is not None and handle.mode == "exact":  # dropless overflowed
             self.overflows += 1
             if self.grow:
-                self._grown = 1 << (handle.group_needed - 1).bit_length()
+                self._grown = _round_up(handle.group_needed)
         # GroupedExperts takes block sizes and cumsums them into grouped_mm's offs:
         # the padded sizes, so that their cumulative sum is handle.ends.
         sizes = torch.diff(handle.ends, prepend=handle.ends.new_zeros(1))
@@ -195,6 +195,18 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         if isinstance(metadata, LocalDispatchMetadata):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
         return moe.combine(routed_output_RD, metadata).to(x_TD.dtype)
+
+
+def _round_up(need: int) -> int:
+    """The smallest int ``>= need`` with at most 4 significant bits: at most 1/8 above it.
+
+    An overflow costs little here (exact mode's dispatch instead of static mode's,
+    decided before any row moves), so the capacity grows tightly: every row of
+    capacity is a row of padding on the wire and in the experts' buffer. Four bits
+    keep the shapes a layer meets to 8 per doubling of the need.
+    """
+    step = 1 << max(need.bit_length() - 4, 0)
+    return -(-need // step) * step
 
 
 @override(
