@@ -40,9 +40,10 @@ Modes, and where each reads the device on the host:
   block has one spare row more, never data.)
 - ``"dropless"`` (with a `capacity`, eager only): static mode's layout when it
   drops nothing, exact mode's otherwise, decided per dispatch. The counts'
-  exchange and one ``all_reduce`` (max) of the most pairs each rank routes to one
-  rank, and of the capacity (the group uses its largest), are issued together; one host read of the result (with exact mode's ints,
-  so an overflow reads nothing more) tells every rank alike which path to take.
+  exchange and one ``all_reduce`` (max) of the most pairs each rank routes to
+  one rank and of the capacity (the group uses its largest) are issued together;
+  one host read of the result (with exact mode's ints, so that an overflow reads
+  nothing more) tells every rank alike which path to take, before any row moves.
   Nothing outside the dispatch runs again: this is the dropless mode for a layer
   that cannot wrap its step (a framework's token dispatcher). One host read per
   dispatch, as exact mode; a compiled graph cannot branch on it, so compiling it
@@ -112,7 +113,8 @@ class MoEHandle:
         topk_weights: the router's ``(T, k)`` weights if dispatch was given them, for combine.
         group_needed: ``mode="dropless"``: the most pairs any rank of the group routed
             to one rank, read on the host (the same on every rank); None otherwise. The
-            dispatch ran static mode if it was ``<= capacity``, exact mode otherwise.
+            dispatch ran static mode if it was ``<=`` the group's largest capacity
+            (then ``capacity`` is that one), exact mode otherwise.
     """
 
     mode: str
