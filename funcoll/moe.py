@@ -39,11 +39,12 @@ Modes, and where each reads the device on the host:
   rank's receive buffer is ``world * T * k`` rows of ``H``. (On the wire each
   block has one spare row more, never data.)
 - ``"dropless"`` (with a `capacity`, eager only): static mode's layout when it
-  drops nothing, exact mode's otherwise, decided per dispatch. The counts'
-  exchange and one ``all_reduce`` (max) of the most pairs each rank routes to
-  one rank and of the capacity (the group uses its largest) are issued together;
-  one host read of the result (with exact mode's ints, so that an overflow reads
-  nothing more) tells every rank alike which path to take, before any row moves.
+  drops nothing, exact mode's otherwise, decided per dispatch. The counts travel
+  in one ``all_gather`` (every rank's per-expert counts and capacity, in place of
+  the other modes' ``all_to_all``), so every rank knows the most pairs any rank
+  routes to one rank and the group's largest capacity; one host read of them
+  (with exact mode's ints, so that an overflow reads nothing more) tells every
+  rank alike which path to take, before any row moves.
   Nothing outside the dispatch runs again: this is the dropless mode for a layer
   that cannot wrap its step (a framework's token dispatcher). One host read per
   dispatch, as exact mode; a compiled graph cannot branch on it, so compiling it
@@ -531,8 +532,8 @@ def dispatch(
     Host syncs: exact mode reads ``2 * world + 1`` ints on the host once (the rows
     sent to and received from each rank, which an uneven all-to-all takes as host
     ints, and ``R``); static mode reads nothing; dropless mode reads ``2 * world +
-    3`` once (the group's need and capacity, then exact mode's ints), after issuing
-    the counts' exchange and their all_reduce.
+    3`` once (the group's need and capacity, then exact mode's ints), after the
+    counts' all_gather.
 
     Backward: combine's data movement without the weights: the gradient rows of
     ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
@@ -584,21 +585,22 @@ def dispatch(
     group_needed = None
     if mode == "dropless":
         # Static if no rank of the group routes more pairs to one rank than the group's
-        # largest `capacity` (then nothing drops), exact otherwise: every rank reads the
-        # same two numbers, so every rank takes the same path with the same capacity
-        # (ranks whose capacities differ, from different token counts, agree on the
-        # largest). The counts' exchange and the all_reduce are issued together, before
-        # the read; both paths use the counts.
+        # largest `capacity` (then nothing drops), exact otherwise. One all_gather of every
+        # rank's per-expert counts and capacity gives every rank the whole table: its own
+        # received counts (the column block of its experts), and the group's need and
+        # capacity, the same on every rank, so every rank takes the same path with the
+        # same capacity (ranks whose capacities differ, from different token counts,
+        # agree on the largest).
         full = _count(expert, num_experts) if given is None else given
         per_dest = full.view(world, e_local).sum(1)
-        recv_counts = _even.all_to_all(full.view(world, e_local), group, 0, 0)
-        agreed = _even.all_reduce(
-            torch.stack([per_dest.max(), per_dest.new_tensor(capacity)]), group=group, op="max"
-        )
+        table = _even.all_gather(torch.cat([full, full.new_tensor([capacity])]), group=group, tiled=False)
+        recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
+        need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
         padded = (recv_counts.sum(0) + (align - 1)) // align * align
         # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
         # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
         # ints, so that an overflow reads nothing more.
+        agreed = torch.stack([need, table[:, num_experts].max()])
         ints = host_ints(torch.cat([agreed, per_dest, recv_counts.sum(1), padded.sum(0, True)]))
         group_needed, capacity = ints[0], ints[1]
         mode = "static" if group_needed <= capacity else "exact"
