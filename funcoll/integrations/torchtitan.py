@@ -21,9 +21,10 @@ subclass of torchtitan's ``BaseEPTokenDispatcher`` with a ``Config``, built on
   per layer, as exact mode). Only the dispatch is redone, inside the dispatcher:
   no forward runs twice, so the router's load-balancing counter, or any other
   forward side effect, happens once. After an overflow the capacity grows to what
-  fits, rounded up to 4 significant bits: at most 1/8 above the need (``grow``). Compiled, a graph cannot branch on the
-  overflow: the dispatcher dispatches in exact mode there (nothing dropped, the
-  same one host read, one graph for every routing).
+  fits, rounded up to 4 significant bits: at most 1/8 above the need (``grow``).
+  Compiled, a graph cannot branch on the overflow: the dispatcher dispatches in
+  exact mode there (nothing dropped, the same one host read, one graph for every
+  routing).
 
 It takes what torchtitan already has: the per-expert counts its MoE layer
 computed (no recount) and the router's scores at dispatch (combine weights by
@@ -91,8 +92,8 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         align: each local expert's block starts at a multiple of it (zero rows
             between blocks), for grouped GEMMs that want aligned groups.
         grow: dropless mode: after an overflow, use the need rounded up to 4
-            significant bits (at most 1/8 more) from then on (default True). ``overflows`` counts the dispatches
-            that fell back to exact mode.
+            significant bits (at most 1/8 more) from then on (default True).
+            ``overflows`` counts the dispatches that fell back to exact mode.
 
     ``dispatch`` returns ``(routed_input, block_sizes, handle)``: the tokens grouped
     by local expert (:func:`funcoll.moe.dispatch`'s ``recv``), each local expert's
