@@ -8,12 +8,14 @@ then reads the result (``coll(x).sum() + work(w)``)::
     hidden = (comm + compute - step) / comm
 
 with ``comm`` the collective and its read alone, ``compute`` the work alone and
-``step`` both; 1 is full overlap, 0 none. Each rank holds `mib` MiB of float32
+``step`` both; 1 is full overlap, 0 none. The work is sized once per collective
+kind, from funcol's collective alone, and every variant of that kind runs the same
+work: their steps then differ only by the collective and what overlaps it. Each rank holds `mib` MiB of float32
 rows (the ragged ops: rank r holds ``r + 1`` parts of the rows, scaled so the
 total equals the even ops'). The independent work has two forms:
 
 - ``sleep``: a custom op (``funcoll_bench::sleep``) that sleeps for the
-  collective's own measured time and returns its input plus one: like a GPU
+  time funcol's collective of its kind took alone, and returns its input plus one: like a GPU
   kernel, it leaves the host's cores to the communication, and as a custom op it
   stays in a compiled graph, where inductor schedules it as an extern kernel;
 - ``matmul``: a float32 matmul sized to take about as long on this machine (on
@@ -166,9 +168,13 @@ def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: li
         for form in forms:
             with ctx():
                 steps: dict[str, dict[str, Callable[[], Any]]] = {}
-                for name, (_kind, coll, x) in colls.items():
-                    comm_alone = _slowest(fenced_median(lambda c=coll, x=x: c(x).sum(), iters))
-                    work, w = _work(form, comm_alone)
+                # One length of work per collective kind, funcol's collective alone: every
+                # variant of a kind then runs the same work, so that their steps compare.
+                alone = {name: _slowest(fenced_median(lambda c=coll, x=x: c(x).sum(), iters))
+                         for name, (_kind, coll, x) in colls.items()}  # fmt: skip
+                base = {colls[n][0]: t for n, t in alone.items() if n.startswith("funcol ")}
+                for name, (kind, coll, x) in colls.items():
+                    work, w = _work(form, base.get(kind, alone[name]))
 
                     def comm(c=coll, x=x) -> torch.Tensor:
                         return c(x).sum()
