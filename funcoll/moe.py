@@ -472,6 +472,12 @@ def _expert_layout(
     return source, dest, counts, offsets, torch.cumsum(padded, 0, dtype=torch.int32)
 
 
+def _exact_sizes(per_dest: Tensor, recv_counts: Tensor, align: int) -> Tensor:
+    """What exact mode reads on the host: rows sent to each rank, received from each, and the layout's rows."""
+    padded = (recv_counts.sum(0) + (align - 1)) // align * align
+    return torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)])
+
+
 @public_op("moe.dispatch")
 def dispatch(
     x: Tensor,
@@ -591,17 +597,16 @@ def dispatch(
         # capacity, the same on every rank, so every rank takes the same path with the
         # same capacity (ranks whose capacities differ, from different token counts,
         # agree on the largest).
-        full = _count(expert, num_experts) if given is None else given
-        per_dest = full.view(world, e_local).sum(1)
-        table = _even.all_gather(torch.cat([full, full.new_tensor([capacity])]), group=group, tiled=False)
+        given = _count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
+        per_dest = given.view(world, e_local).sum(1)
+        table = _even.all_gather(torch.cat([given, given.new_tensor([capacity])]), group=group, tiled=False)
         recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
         need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
-        padded = (recv_counts.sum(0) + (align - 1)) // align * align
         # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
         # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
         # ints, so that an overflow reads nothing more.
         agreed = torch.stack([need, table[:, num_experts].max()])
-        ints = host_ints(torch.cat([agreed, per_dest, recv_counts.sum(1), padded.sum(0, True)]))
+        ints = host_ints(torch.cat([agreed, _exact_sizes(per_dest, recv_counts, align)]))
         group_needed, capacity = ints[0], ints[1]
         mode = "static" if group_needed <= capacity else "exact"
         known = (recv_counts, ints[2:])
@@ -667,8 +672,7 @@ def dispatch(
         # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
         # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
         if known is None:
-            padded = (recv_counts.sum(0) + (align - 1)) // align * align
-            ints = host_ints(torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)]))
+            ints = host_ints(_exact_sizes(per_dest, recv_counts, align))
         else:  # dropless, overflowed: read with the need
             ints = known[1]
         send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
