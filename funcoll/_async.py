@@ -114,16 +114,46 @@ class Pending(AsyncCollectiveTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Every op on a result, waited or not, comes here: the common cases (a view, or
+        # arguments with no tensor inside a list) skip the pytree walks, which cost ten
+        # times the op on small tensors (the counts of moe's layout, say).
         kwargs = kwargs or {}
-        if func is _view:  # the commonest view, without the pytree walk
+        if func is _view:  # the commonest view
             return Pending(func(args[0].elem, *args[1:], **kwargs), args[0].ticket)
-        if _is_view_op(func):
+        flat = not any(map(_nests_tensors, args)) and not any(map(_nests_tensors, kwargs.values()))
+        if _is_view(func):
             ticket = next(a.ticket for a in args if isinstance(a, Pending))
-            out = func(*tree_map_only(Pending, lambda p: p.elem, args),
-                       **tree_map_only(Pending, lambda p: p.elem, kwargs))  # fmt: skip
+            if flat:
+                out = func(*[a.elem if isinstance(a, Pending) else a for a in args],
+                           **{k: v.elem if isinstance(v, Pending) else v for k, v in kwargs.items()})  # fmt: skip
+            else:
+                out = func(*tree_map_only(Pending, lambda p: p.elem, args),
+                           **tree_map_only(Pending, lambda p: p.elem, kwargs))  # fmt: skip
+            if isinstance(out, Tensor):
+                return Pending(out, ticket)
             return tree_map_only(Tensor, lambda t: Pending(t, ticket), out)
+        if flat:
+            return func(*[a.trigger_wait() if isinstance(a, Pending) else a for a in args],
+                        **{k: v.trigger_wait() if isinstance(v, Pending) else v for k, v in kwargs.items()})  # fmt: skip
         return func(*tree_map_only(Pending, lambda p: p.trigger_wait(), args),
                     **tree_map_only(Pending, lambda p: p.trigger_wait(), kwargs))  # fmt: skip
+
+
+_VIEWS: dict[Any, bool] = {}  # op -> whether funcol's rule treats it as a view: read per op once
+
+
+def _is_view(func: Any) -> bool:
+    views = _VIEWS.get(func)
+    if views is None:
+        views = _VIEWS[func] = bool(_is_view_op(func))
+    return views
+
+
+def _nests_tensors(arg: Any) -> bool:
+    """`arg` is a list, tuple or dict that may hold a tensor (the pytree walk's case)."""
+    if isinstance(arg, dict):
+        return True
+    return isinstance(arg, (list, tuple)) and any(isinstance(e, (Tensor, list, tuple, dict)) for e in arg)
 
 
 def defer(output: Tensor, collective: str, group_name: str, step: str) -> Tensor:

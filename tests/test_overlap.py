@@ -112,6 +112,20 @@ def _body(rank: int, world: int) -> dict[str, Any]:
         }  # clone reads y
     got["moe"] = _moe(rank, world)
 
+    # Ops on a pending result: views (with flat arguments, with a tuple out) stay pending
+    # on the same collective; a read (flat arguments, a list of tensors) waits once.
+    y = funcoll.all_gather(_even(world)[rank])
+    views = {"view": y.view(-1), "permute": y.permute(1, 0), "split": torch.split(y, 2)}
+    ops: dict[str, Any] = {
+        "view_types": sorted({type(v).__name__ for v in [views["view"], views["permute"], *views["split"]]}),
+        "pending_after_views": in_flight(),
+    }
+    ops["sum"] = views["permute"].sum([1])  # the first read: waits
+    ops["pending_after_read"] = in_flight()
+    ops["cat"] = torch.cat([views["split"][-1], _x(rank, 1), views["split"][0]])
+    ops["mul"] = torch.mul(views["view"], 2)
+    got["ops"] = ops
+
     # A result nobody reads is waited when it is freed: nothing stays registered.
     funcoll.all_gather(_even(world)[rank])
     got["dropped"] = in_flight()
@@ -166,3 +180,18 @@ def test_dropped_result_is_waited_and_wait_keeps_the_gradient(
         # d/dx_r of sum_k (k + 1) * sum(gather(x)) = sum over ranks of (k + 1)
         want = torch.full((2, COLS), float(sum(k + 1 for k in range(world))))
         torch.testing.assert_close(w["grad"], want)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ops_on_a_result_keep_views_pending_and_read_the_values(
+    results: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    full = torch.cat(_even(world))
+    for rank, got in enumerate(results[world]):
+        ops = got["ops"]
+        assert ops["view_types"] == ["Pending"], ops["view_types"]
+        assert ops["pending_after_views"] >= 1, f"rank {rank}: a view waited"
+        assert ops["pending_after_read"] == 0, f"rank {rank}: the read did not wait"
+        torch.testing.assert_close(ops["sum"], full.sum(0))
+        torch.testing.assert_close(ops["cat"], torch.cat([full[-2:], _x(rank, 1), full[:2]]))
+        torch.testing.assert_close(ops["mul"], full.reshape(-1) * 2)
