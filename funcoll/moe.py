@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from . import _even, _prims
+from ._async import wait
 from ._checks import IntLike, check_tensor
 from ._config import checks_enabled
 from ._faults import public_op
@@ -599,7 +600,11 @@ def dispatch(
         # agree on the largest).
         given = _count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
         per_dest = given.view(world, e_local).sum(1)
-        table = _even.all_gather(torch.cat([given, given.new_tensor([capacity])]), group=group, tiled=False)
+        # The table is read at once (the need, then the layout): waited here, so that its
+        # small ops run on a plain tensor, not each through a pending result's dispatch.
+        table = wait(
+            _even.all_gather(torch.cat([given, given.new_tensor([capacity])]), group=group, tiled=False)
+        )
         recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
         need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
         # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
@@ -661,7 +666,9 @@ def dispatch(
     needed = per_dest.max()
     if known is None:
         # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
-        recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+        # Read at once by the layout's small ops (and exact mode's host read): waited here,
+        # so that they run on a plain tensor, not each through a pending result's dispatch.
+        recv_counts = wait(_even.all_to_all(per_expert.view(world, e_local), group, 0, 0))
     else:  # dropless: exchanged already (static mode's kept counts are all of them: it fit)
         recv_counts = known[0]
     if mode == "exact":
