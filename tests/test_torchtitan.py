@@ -25,7 +25,6 @@ All cases of a world run in one ``run_ranks`` call.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import pytest
@@ -172,11 +171,11 @@ def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str
         compiled = _build(world, rank, FuncollTokenDispatcher.Config(num_experts=E, top_k=K, **kwargs), mesh)
         _force(compiled, ids)
         torch._dynamo.reset()
-        try:
-            fn = torch.compile(compiled, fullgraph=True, backend="inductor")
-            got["compiled"] = _step(compiled, x, upstream, fn)
-        except Exception:  # noqa: BLE001 -- reported by the test; every rank's compile fails alike
-            got["compiled"] = {"error": traceback.format_exc(limit=-10)}
+        # A compile error propagates: run_ranks then fails the world's batch at once, naming
+        # the rank. Caught here, a rank whose compile failed alone would go on to the next
+        # case while its peers wait in the compiled step's collectives, until the timeout.
+        fn = torch.compile(compiled, fullgraph=True, backend="inductor")
+        got["compiled"] = _step(compiled, x, upstream, fn)
         torch._dynamo.reset()
     got["in_flight"] = in_flight()
     return got
@@ -314,8 +313,6 @@ def test_dispatcher_compiled_on_inductor_matches_dense(world: int, mode: str, ro
     ref = _reference(world, routing, [r["ids"] for r in ranks])
     for r, got in enumerate(ranks):
         compiled = got["compiled"]
-        if "error" in compiled:
-            pytest.fail(f"rank {r}: the inductor compile raised:\n{compiled['error']}")
         _close_bf16(compiled["out"], ref["out"][r], f"rank {r} out")
         for name in PARAMS:
             _close_bf16(compiled["grads"][name], ref["grads"][r][name], f"rank {r} {name}.grad")
