@@ -12,7 +12,12 @@ with ``comm`` the collective and its read alone, ``compute`` the work alone and
 kind, from funcol's collective alone, and every variant of that kind runs the same
 work: their steps then differ only by the collective and what overlaps it. Each rank holds `mib` MiB of float32
 rows (the ragged ops: rank r holds ``r + 1`` parts of the rows, scaled so the
-total equals the even ops'). The independent work has two forms:
+total equals the even ops'). funcol has no ragged gather: the ragged ops' baseline
+is the program a funcol user writes (``funcol all_gather, padded``: pad to the
+largest rank's rows, all_gather, cut). Each row also gives its ``comm`` time: the
+ragged gathers' against the even all_gather's of the same total shows what the
+layout costs (the largest rank sends more than the even share). The independent
+work has two forms:
 
 - ``sleep``: a custom op (``funcoll_bench::sleep``) that sleeps for the
   time funcol's collective of its kind took alone, and returns its input plus one: like a GPU
@@ -83,15 +88,23 @@ def _collectives(rank: int, world: int, rows: int) -> dict[str, tuple[str, Calla
     return {
         "funcol all_gather": ("all_gather", lambda t: _AG(t, 0, name), even),
         "funcoll.all_gather": ("all_gather", lambda t: funcoll.all_gather(t), even),
-        "funcoll.gather": ("all_gather", lambda t: funcoll.gather(t), mine),
-        "funcoll.gather(sizes=)": ("all_gather", lambda t: funcoll.gather(t, sizes=sizes), mine),
+        # The ragged gathers: funcol has none, so its baseline is the program a funcol user
+        # writes (pad to the largest rank's rows, all_gather, cut the padding out).
+        "funcol all_gather, padded": ("ragged gather", lambda t: _funcol_padded_gather(t, sizes, name), mine),
+        "funcoll.gather": ("ragged gather", lambda t: funcoll.gather(t), mine),
+        "funcoll.gather(sizes=)": ("ragged gather", lambda t: funcoll.gather(t, sizes=sizes), mine),
+        'funcoll.gather(strategy="shift")': (
+            "ragged gather",
+            lambda t: funcoll.gather(t, sizes=sizes, strategy="shift"),
+            mine,
+        ),
         'funcoll.gather(strategy="pad")': (
-            "all_gather",
+            "ragged gather",
             lambda t: funcoll.gather(t, sizes=sizes, strategy="pad"),
             mine,
         ),
         "funcoll.gather_padded": (
-            "all_gather",
+            "ragged gather",
             lambda t: funcoll.gather_padded(t, sizes[rank])[0],
             _padded(mine, rows, world),
         ),
@@ -105,6 +118,13 @@ def _collectives(rank: int, world: int, rows: int) -> dict[str, tuple[str, Calla
             even,
         ),
     }
+
+
+def _funcol_padded_gather(t: torch.Tensor, sizes: list[int], name: str) -> torch.Tensor:
+    """A ragged gather in funcol: pad to ``max(sizes)``, ``all_gather``, cut each rank's padding out."""
+    longest = max(sizes)
+    y = _AG(torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[0])), 0, name)
+    return torch.cat([y[i * longest : i * longest + n] for i, n in enumerate(sizes)])
 
 
 def _padded(mine: torch.Tensor, rows: int, world: int) -> torch.Tensor:
@@ -161,6 +181,8 @@ def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: li
     colls = _collectives(rank, world, rows)
     if names:  # those asked for, and funcol's of the same kinds
         kinds = {colls[k][0] for k in names}
+        if "ragged gather" in kinds:  # the even all_gather of the same total, for its comm time
+            kinds.add("all_gather")
         colls = {k: v for k, v in colls.items() if k in names or (k.startswith("funcol ") and v[0] in kinds)}
     out = []
     for mode in modes:
@@ -263,16 +285,16 @@ def main() -> None:
     if args.quick:
         args.worlds, args.mib, args.rounds, args.iters, args.modes = [2], 1.0, 1, 1, ["eager"]
     print(f"torch {torch.__version__}, gloo on CPU, {args.mib:g} MiB per rank")
-    print("| world | mode | work | impl | hidden | range | step / funcol's | call / comm |")
-    print("|---:|---|---|---|---:|---|---:|---:|")
+    print("| world | mode | work | impl | comm ms | hidden | range | step / funcol's | call / comm |")
+    print("|---:|---|---|---|---:|---|---:|---:|---:|")
     for world in args.worlds:
         rows = run_ranks(_bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops, tuple(args.forms),
                          timeout=3600)[0]  # fmt: skip
         for r in rows:
             base = baseline(rows, r)
             lo, hi = r["hidden_range"]
-            print(f"| {world} | {r['mode']} | {r['form']} | {r['impl']} | {r['hidden']:.0%} | {lo:.0%} to {hi:.0%} "
-                  f"| {r['step_ms'] / base['step_ms']:.2f} | {_opt(r['call_over_comm'])} |")  # fmt: skip
+            print(f"| {world} | {r['mode']} | {r['form']} | {r['impl']} | {r['comm_ms']:.1f} | {r['hidden']:.0%} "
+                  f"| {lo:.0%} to {hi:.0%} | {r['step_ms'] / base['step_ms']:.2f} | {_opt(r['call_over_comm'])} |")  # fmt: skip
 
 
 if __name__ == "__main__":

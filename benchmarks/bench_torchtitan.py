@@ -1,7 +1,7 @@
 """torchtitan's MoE layer with its own dispatcher and with funcoll's, one training step, eager and compiled.
 
 Run: ``python benchmarks/bench_torchtitan.py [--worlds 2 4] [--tokens 256 1024 4096] [--rounds 3]
-[--iters 3] [--no-compile]``  (needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``
+[--iters 3] [--experts grouped scale] [--no-compile]``  (needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``
 and ``pip install tyro``)
 
 For each world size it starts that many gloo CPU ranks. Each rank builds torchtitan
@@ -23,11 +23,23 @@ the dispatcher wired to a 1-D ``ep`` mesh:
 - ``..., compiled``: the layer under ``torch.compile(fullgraph=True)`` (inductor),
   compiled before the timed steps.
 
+Two expert forms (``--experts``):
+
+- ``grouped``: torchtitan's ``GroupedExperts`` (three bf16 grouped GEMMs a layer,
+  ``D = F = 256``). On a CPU their GEMMs are most of the step, so the dispatchers
+  differ by a few percent of it.
+- ``scale``: the layer with its experts replaced by a per-feature scale
+  (``x * w``, ``w`` a learned ``(D,)`` vector): the router, the dispatch, the
+  combine and their backward are then the step, which is what a dispatcher
+  changes (on a GPU the experts' GEMMs are fast and the dispatch is a larger
+  part of the step than on this CPU).
+
 A step is the layer's forward on ``T`` tokens per rank and the backward of its
 output's sum. Every method is timed interleaved over `rounds` rounds (each the
 median of `iters` barrier-fenced steps after a warm-up, the slowest rank's time);
-a row's time is the median over rounds, its ratio that over the ``titan`` row of
-the same world and ``T``. Host reads per step (``Tensor.tolist`` / ``.item``
+a row's time is the median over rounds, its ratio the median over rounds of the
+round's time over the ``titan`` row's in the same round (same world, ``T`` and
+expert form), with the range of those per-round ratios. Host reads per step (``Tensor.tolist`` / ``.item``
 calls, forward and backward; each a device-to-host sync on CUDA) are counted in
 one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
 twice per layer, which the count does not include.
@@ -51,9 +63,21 @@ from _timing import fenced_median
 from funcoll import testing
 
 K, D, F = 2, 256, 256
+EXPERTS = ("grouped", "scale")  # torchtitan's GroupedExperts; a per-feature scale (the dispatch is the step)
 
 
-def _layer(world: int, rank: int, dispatcher: Any, mesh: Any) -> Any:
+class _ScaleExperts(torch.nn.Module):
+    """Experts that cost next to nothing: each routed row times a learned ``(D,)`` scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_D = torch.nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        return x_RD * self.w_D
+
+
+def _layer(world: int, rank: int, dispatcher: Any, mesh: Any, experts: str = "grouped") -> Any:
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
 
@@ -74,6 +98,8 @@ def _layer(world: int, rank: int, dispatcher: Any, mesh: Any) -> Any:
         layer.router.gate.weight.copy_(torch.randn(e, D, generator=torch.Generator().manual_seed(0)) / D**0.5)
         for p in (inner.w1_EFD, inner.w2_EDF, inner.w3_EFD):
             p.copy_(torch.randn(p.shape, generator=g) / D**0.5)
+    if experts == "scale":
+        layer.routed_experts.inner_experts = _ScaleExperts()
     layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
     return layer
 
@@ -85,7 +111,15 @@ def _step(fn: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, compile_: bool) -> list[dict]:
+def _body(
+    rank: int,
+    world: int,
+    tokens: list[int],
+    rounds: int,
+    iters: int,
+    compile_: bool,
+    experts: str = "grouped",
+) -> list[dict]:
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -109,10 +143,10 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
         x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10 + rank))
         methods = {}
         for name, cfg in configs.items():
-            layer = _layer(world, rank, cfg, mesh)
+            layer = _layer(world, rank, cfg, mesh, experts)
             methods[name] = (layer, layer)
             if compile_ and name not in ("titan", "funcoll dropless"):  # compiled dropless: exact's graph
-                compiled_layer = _layer(world, rank, cfg, mesh)
+                compiled_layer = _layer(world, rank, cfg, mesh, experts)
                 fn = torch.compile(compiled_layer, fullgraph=True, backend="inductor")
                 _step(fn, compiled_layer, x)  # compile before timing
                 methods[f"{name}, compiled"] = (fn, compiled_layer)
@@ -127,12 +161,14 @@ def _body(rank: int, world: int, tokens: list[int], rounds: int, iters: int, com
                 mine = torch.tensor(fenced_median(lambda fn=fn, layer=layer, x=x: _step(fn, layer, x), iters))
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's step
                 times[name].append(float(mine))
-        base = statistics.median(times["titan"])
         for name, (_, layer) in methods.items():
-            med = statistics.median(times[name])
+            # each round's time over titan's in the same round: the pair shares that round's load
+            ratios = [a / b for a, b in zip(times[name], times["titan"], strict=True)]
             dispatcher = layer.routed_experts.token_dispatcher
-            rows.append({"world": world, "tokens": t, "method": name, "ms": med * 1e3, "ratio": med / base,
-                         "host_reads": reads[name], "overflows": getattr(dispatcher, "overflows", None)})  # fmt: skip
+            rows.append({"world": world, "tokens": t, "experts": experts, "method": name,
+                         "ms": statistics.median(times[name]) * 1e3, "ratio": statistics.median(ratios),
+                         "ratio_range": (min(ratios), max(ratios)), "host_reads": reads[name],
+                         "overflows": getattr(dispatcher, "overflows", None)})  # fmt: skip
     return rows
 
 
@@ -142,20 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--experts", nargs="+", default=list(EXPERTS), choices=list(EXPERTS))
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
     args = parser.parse_args(argv)
     print(
-        "| world | T | method | step ms | vs titan | host reads | overflows |\n|---|---|---|---|---|---|---|"
+        "| experts | world | T | method | step ms | vs titan (range) | host reads | overflows |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
-    for world in args.worlds:
-        rows = testing.run_ranks(
-            _body, world, args.tokens, args.rounds, args.iters, not args.no_compile, timeout=3000
-        )[0]
-        for r in rows:
-            print(
-                f"| {r['world']} | {r['tokens']} | {r['method']} | {r['ms']:.1f} | {r['ratio']:.2f} | {r['host_reads']} "
-                f"| {'' if r['overflows'] is None else r['overflows']} |"
-            )
+    for experts in args.experts:
+        for world in args.worlds:
+            rows = testing.run_ranks(
+                _body, world, args.tokens, args.rounds, args.iters, not args.no_compile, experts, timeout=3000
+            )[0]
+            for r in rows:
+                lo, hi = r["ratio_range"]
+                print(
+                    f"| {experts} | {r['world']} | {r['tokens']} | {r['method']} | {r['ms']:.1f} "
+                    f"| {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) | {r['host_reads']} "
+                    f"| {'' if r['overflows'] is None else r['overflows']} |"
+                )
     return 0
 
 

@@ -20,7 +20,9 @@ Families (each one's own script documents its methods):
   layers (dispatch, combine, forward and backward), ``funcoll.moe`` exact,
   static and the ``Dropless`` policy against a retyped torchtitan recipe, eager
   and compiled, with the host reads per step; and, where torchtitan 0.3.0 is
-  installed (``bench_torchtitan.py``), torchtitan's own MoE layer with its
+  installed (``bench_torchtitan.py``), torchtitan's own MoE layer (with its
+  ``GroupedExperts``, and with a per-feature scale as its experts, where the
+  dispatch is the step) with its
   ``AllToAllTokenDispatcher`` (the baseline) and funcoll's
   ``FuncollTokenDispatcher`` (exact, static, dropless), eager and compiled, up to 4096
   tokens per rank (its bf16 grouped GEMMs on the CPU take seconds past that);
@@ -30,7 +32,8 @@ Families (each one's own script documents its methods):
   independent work (a sleeping custom op, or a matmul), then reads the result:
   the fraction of the collective it hides and its time against funcol's same
   step, eager and compiled (aot_eager, inductor, inductor with its overlap
-  passes), funcol beside every funcoll op family;
+  passes), funcol beside every funcoll op family (the ragged gathers beside the
+  padded funcol program: pad, all_gather, cut);
 - ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):
   the pad and the cut around a padded all_gather, funcoll's Triton kernels against
   its torch ops, float32. On CPU it is skipped, and says so.
@@ -192,17 +195,19 @@ def _moe(worlds: list[int], tokens: list[float], iters: int, rounds: int, on: Se
     if importlib.util.find_spec("torchtitan") is None:
         print("moe: torchtitan's layer skipped (pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3)\n")
         return records
-    for world in worlds:
-        layer_tokens = [int(t) for t in tokens if t <= TITAN_MAX_TOKENS]
-        rows = run_ranks(on.wrap(bench_torchtitan._body), world, layer_tokens, rounds, iters, not on.quick,
-                         timeout=3600, backend=on.backend)[0]  # fmt: skip
-        for r in rows:
-            records.append({
-                "family": "moe", "world": world, "layout": f"torchtitan layer, top-{bench_torchtitan.K}",
-                "tokens": r["tokens"], "bytes": r["tokens"] * bench_torchtitan.K * bench_torchtitan.D * 4,
-                "impl": f"torchtitan layer: {r['method']}", "seconds": r["ms"] / 1e3, "ratio": r["ratio"],
-                "host_syncs": r["host_reads"],
-            })  # fmt: skip
+    for experts in bench_torchtitan.EXPERTS:  # its GroupedExperts, then a scale (the dispatch is the step)
+        for world in worlds:
+            layer_tokens = [int(t) for t in tokens if t <= TITAN_MAX_TOKENS]
+            rows = run_ranks(on.wrap(bench_torchtitan._body), world, layer_tokens, rounds, iters, not on.quick,
+                             experts, timeout=3600, backend=on.backend)[0]  # fmt: skip
+            for r in rows:
+                records.append({
+                    "family": "moe", "world": world,
+                    "layout": f"torchtitan layer, top-{bench_torchtitan.K}, {experts} experts",
+                    "tokens": r["tokens"], "bytes": r["tokens"] * bench_torchtitan.K * bench_torchtitan.D * 4,
+                    "impl": f"torchtitan layer: {r['method']}", "seconds": r["ms"] / 1e3, "ratio": r["ratio"],
+                    "ratio_range": r["ratio_range"], "host_syncs": r["host_reads"],
+                })  # fmt: skip
     return records
 
 
