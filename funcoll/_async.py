@@ -123,20 +123,19 @@ class Pending(AsyncCollectiveTensor):
         flat = not any(map(_nests_tensors, args)) and not any(map(_nests_tensors, kwargs.values()))
         if _is_view(func):
             ticket = next(a.ticket for a in args if isinstance(a, Pending))
-            if flat:
-                out = func(*[a.elem if isinstance(a, Pending) else a for a in args],
-                           **{k: v.elem if isinstance(v, Pending) else v for k, v in kwargs.items()})  # fmt: skip
-            else:
-                out = func(*tree_map_only(Pending, lambda p: p.elem, args),
-                           **tree_map_only(Pending, lambda p: p.elem, kwargs))  # fmt: skip
+            out = _call(func, args, kwargs, flat, lambda p: p.elem)
             if isinstance(out, Tensor):
                 return Pending(out, ticket)
             return tree_map_only(Tensor, lambda t: Pending(t, ticket), out)
-        if flat:
-            return func(*[a.trigger_wait() if isinstance(a, Pending) else a for a in args],
-                        **{k: v.trigger_wait() if isinstance(v, Pending) else v for k, v in kwargs.items()})  # fmt: skip
-        return func(*tree_map_only(Pending, lambda p: p.trigger_wait(), args),
-                    **tree_map_only(Pending, lambda p: p.trigger_wait(), kwargs))  # fmt: skip
+        return _call(func, args, kwargs, flat, Pending.trigger_wait)
+
+
+def _call(func: Any, args: Any, kwargs: dict[str, Any], flat: bool, get: Any) -> Any:
+    """``func`` with every pending argument replaced by ``get(it)``: by a plain loop when `flat`."""
+    if flat:
+        return func(*[get(a) if isinstance(a, Pending) else a for a in args],
+                    **{k: get(v) if isinstance(v, Pending) else v for k, v in kwargs.items()})  # fmt: skip
+    return func(*tree_map_only(Pending, get, args), **tree_map_only(Pending, get, kwargs))
 
 
 _VIEWS: dict[Any, bool] = {}  # op -> whether funcol's rule treats it as a view: read per op once
