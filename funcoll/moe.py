@@ -806,10 +806,15 @@ def _weighted_sum(rows: Tensor, row_of: Tensor, weights: Tensor, skip: int | Non
     writes ``(T, H)``, with no ``(T, k, H)`` gather in between, and its backward
     scatters the gradient rows back and gives the weights' gradient. Entries equal
     to `skip` (its ``padding_idx``) add nothing and get no gradient. Dtypes it does
-    not take (complex, integer) gather, mask and sum.
+    not take (complex, integer) gather, mask and sum, and so does bfloat16 on CUDA
+    when the weights need a gradient: CUDA has no bfloat16 kernel for the weights'
+    gradient (``_embedding_bag_per_sample_weights_backward_cuda`` raised
+    NotImplementedError on torch 2.11, H100), so the ``(T, k, H)`` gather is kept
+    for the backward, as a dispatcher that weights its rows that way keeps it.
     """
     w = weights.to(rows.dtype)
-    if rows.dtype.is_floating_point:
+    no_kernel = rows.is_cuda and rows.dtype == torch.bfloat16 and w.requires_grad and torch.is_grad_enabled()
+    if rows.dtype.is_floating_point and not no_kernel:
         return torch.nn.functional.embedding_bag(
             row_of, rows, per_sample_weights=w, mode="sum", padding_idx=skip
         )
