@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,6 +26,21 @@ def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, tuple(shape), generator=gen).bool()
     return torch.randint(-4, 5, tuple(shape), generator=gen).to(dtype)
+
+
+@contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """`values` set in ``os.environ`` inside the block (what ``run_ranks``' children inherit), then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], list[Any]]:

@@ -15,14 +15,12 @@ the multi-rank ones (gloo, CPU tensors) stay interpreted.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _inputs import seeded
+from _inputs import environ, seeded
 from torch import Tensor
 
 import funcoll
@@ -37,26 +35,12 @@ F32, F64, BF16, I64, BOOL, C64, U8 = (
 )  # fmt: skip
 
 
-@contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-
-
 def run_with_kernels(fn: Callable[..., Any], world: int, interpret: bool) -> list[Any]:
     """``run_ranks(fn, world)`` in fresh processes where funcoll's ops take the kernels, interpreted or not."""
     env = {"FUNCOLL_TEST_START_METHOD": "spawn", "FUNCOLL_TRITON": "1"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    with _environ(**env):
+    with environ(**env):
         return run_ranks(fn, world, timeout=TIMEOUT_S)
 
 
