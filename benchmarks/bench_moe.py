@@ -69,10 +69,21 @@ LAYERS = 2
 
 
 # -------------------------------------------------------------------------------- the recipe
-def titan_layer(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int) -> torch.Tensor:
-    """torchtitan's expert-parallel token dispatch and combine, retyped (identity experts)."""
+def titan_layer(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    world: int,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    e_local: int = E_LOCAL,
+) -> torch.Tensor:
+    """torchtitan's expert-parallel token dispatch and combine, retyped.
+
+    `experts` maps the received rows in expert order and the rows per local expert
+    (int64, on the device) to their outputs; None: identity experts.
+    """
     group = dist.group.WORLD
-    num_experts = world * E_LOCAL
+    num_experts = world * e_local
     flat = idx.reshape(-1)
     per_expert = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts).to(torch.int64)
     per_expert_group = funcol.all_to_all_single(per_expert, None, None, group)
@@ -83,10 +94,12 @@ def titan_layer(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int)
     routed = x[order // K]
     received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
     # Permute into expert order: each received row's local expert, then a stable sort.
-    expert_of_row = torch.arange(num_experts, device=x.device) % E_LOCAL
+    expert_of_row = torch.arange(num_experts, device=x.device) % e_local
     expert_of_row = torch.repeat_interleave(expert_of_row, per_expert_group, output_size=sum(output_splits))
     permuted_indices = torch.argsort(expert_of_row, stable=True)
-    y = received[permuted_indices]  # the experts: identity
+    y = received[permuted_indices]
+    if experts is not None:
+        y = experts(y, per_expert_group.view(world, e_local).sum(0))
     # Combine: unpermute, send back, weight and sum each token's k rows.
     unpermuted = torch.zeros_like(y).index_put((permuted_indices,), y)
     back = funcol.all_to_all_single_autograd(unpermuted, input_splits, output_splits, group)
@@ -95,10 +108,20 @@ def titan_layer(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int)
 
 
 # ------------------------------------------------------------------------------- funcoll's
-def funcoll_layer(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int, mode: Any) -> torch.Tensor:
+def funcoll_layer(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    world: int,
+    mode: Any,
+    experts: Callable[[torch.Tensor, moe.MoEHandle], torch.Tensor] | None = None,
+    e_local: int = E_LOCAL,
+    align: int = 1,
+) -> torch.Tensor:
+    """``funcoll.moe``'s dispatch, the `experts` on its layout (None: identity), and combine."""
     capacity = math.ceil(CAPACITY_FACTOR * x.shape[0] * K / world) if mode == "static" else None
-    recv, handle = moe.dispatch(x, idx, world * E_LOCAL, mode=mode, capacity=capacity)
-    return moe.combine(recv, handle, w)
+    recv, handle = moe.dispatch(x, idx, world * e_local, mode=mode, capacity=capacity, align=align)
+    return moe.combine(recv if experts is None else experts(recv, handle), handle, w)
 
 
 def step(
