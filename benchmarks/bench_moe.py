@@ -116,11 +116,10 @@ def funcoll_layer(
     mode: Any,
     experts: Callable[[torch.Tensor, moe.MoEHandle], torch.Tensor] | None = None,
     e_local: int = E_LOCAL,
-    align: int = 1,
 ) -> torch.Tensor:
     """``funcoll.moe``'s dispatch, the `experts` on its layout (None: identity), and combine."""
     capacity = math.ceil(CAPACITY_FACTOR * x.shape[0] * K / world) if mode == "static" else None
-    recv, handle = moe.dispatch(x, idx, world * e_local, mode=mode, capacity=capacity, align=align)
+    recv, handle = moe.dispatch(x, idx, world * e_local, mode=mode, capacity=capacity)
     return moe.combine(recv if experts is None else experts(recv, handle), handle, w)
 
 

@@ -43,11 +43,14 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], list[Any]]:
+def once_per_world(
+    body: Callable[..., Any], timeout: float, env: dict[str, str] | None = None, **run_kwargs: Any
+) -> Callable[[int], list[Any]]:
     """``batch(world)`` runs ``run_ranks(body, world)`` once per session and caches the result.
 
     A failed batch is cached too and re-raised for every test that reads it, so one
-    broken batch costs one timeout, not one per test.
+    broken batch costs one timeout, not one per test. `env` is set while the ranks
+    start (:func:`environ`); `run_kwargs` go to ``run_ranks`` (``backend``, ``pg_timeout``).
     """
     done: dict[int, list[Any]] = {}
     failed: dict[int, Exception] = {}
@@ -55,7 +58,8 @@ def once_per_world(body: Callable[..., Any], timeout: float) -> Callable[[int], 
     def batch(world: int) -> list[Any]:
         if world not in done and world not in failed:
             try:
-                done[world] = run_ranks(body, world, timeout=timeout)
+                with environ(**(env or {})):
+                    done[world] = run_ranks(body, world, timeout=timeout, **run_kwargs)
             except (RankError, TimeoutError) as e:
                 failed[world] = e
         if world in failed:

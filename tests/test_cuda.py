@@ -37,12 +37,12 @@ from typing import Any
 
 import pytest
 import torch
-from _inputs import environ, seeded
+from _inputs import environ, once_per_world, seeded
 from torch import Tensor
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import RankError, in_flight, run_ranks
+from funcoll.testing import in_flight, run_ranks
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -220,27 +220,16 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     return got
 
 
-_BATCHES: dict[int, list[dict[str, Any]] | Exception] = {}
+# A rank that stays away fails its peers' collective within `pg_timeout`, so a broken
+# case costs a minute, not the whole timeout.
+_batch = once_per_world(_body, TIMEOUT_S, env=START_METHOD, backend=BACKEND, pg_timeout=60)
 
 
 def batch(world: int) -> list[dict[str, Any]]:
-    """The world's ranks, run once per session; a failed run is kept and re-raised by every test that reads it.
-
-    A rank that stays away fails its peers' collective within `pg_timeout`, so a
-    broken case costs a minute, not the whole timeout.
-    """
+    """The world's ranks, run once per session (a failed run is re-raised by every test that reads it)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"{world} NCCL ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
-    if world not in _BATCHES:
-        try:
-            with environ(**START_METHOD):
-                _BATCHES[world] = run_ranks(_body, world, timeout=TIMEOUT_S, backend=BACKEND, pg_timeout=60)
-        except (RankError, TimeoutError) as e:
-            _BATCHES[world] = e
-    got = _BATCHES[world]
-    if isinstance(got, Exception):
-        raise RuntimeError(f"the world-{world} batch failed") from got
-    return got
+    return _batch(world)
 
 
 def _check(got: Any, want: tuple[Tensor, ...], what: str, **tol: float) -> None:
