@@ -8,7 +8,8 @@ exist (``all_to_all``, ``all_to_all_v``'s primitive) and of local row
 moves (``index_select``, a weighted sum over the k choices), so autograd gives
 the adjoints: the backward of dispatch moves gradients the way combine moves
 outputs (unweighted), and the backward of combine moves them the way dispatch
-moves tokens.
+moves tokens. The row moves' backward is a gather through the inverse map
+(:class:`_Gather`), not autograd's zero fill and scatter-add.
 
 Layout. ``E = num_experts`` experts split evenly over the group's ``world``
 ranks: rank r owns the ``E_local = E // world`` experts ``[r * E_local, (r + 1) *
@@ -422,6 +423,70 @@ def _take(t: Tensor, index: Tensor, spare: bool) -> Tensor:
     return t.index_select(0, index)
 
 
+class _Gather(torch.autograd.Function):
+    """A row gather of dispatch or combine whose backward is a gather too, not a scatter into zeros.
+
+    Forward: ``_take(t, index, spare)``, or with `offsets` the bags of
+    ``embedding_bag(index, t, offsets)`` (sum; an empty bag is a zero row), its
+    first `rows` rows. Every row a move reads is read by at most `k` output rows
+    and, where the move is a partial permutation (each data row of `t` read once),
+    autograd's adjoint, a zero fill of ``t``'s size and a scatter-add, is a gather
+    through the inverse map. The backward is that gather, one pass that writes each
+    gradient row once:
+
+    - `back` ``(len(t), k)`` with `skip`: row i's gradient is the sum of the
+      gradient rows ``back[i]`` other than `skip` (a token's k copies, dropped
+      pairs skipped);
+    - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row ``back[i]``;
+    - `back` ``(len(t),)`` with `valid`: the same where ``valid[i]``, zero elsewhere.
+
+    The caller guarantees the inverse: every output row that reads a data row of
+    `t` is listed for it in `back`. An output row that reads a row of `t` that is not
+    data (a spare zero row of the wire, read by empty layout rows or padding slots)
+    passes it no gradient: such rows are constants (an empty bag, a zero row), so
+    the gradient of the op's inputs is autograd's, bit for bit up to the order of
+    each row's sum.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        t: Tensor,
+        index: Tensor,
+        spare: bool,
+        offsets: Tensor | None,
+        rows: IntLike | None,
+        back: Tensor,
+        valid: Tensor | None,
+        skip: int | None,
+    ) -> Tensor:
+        ctx.skip = skip
+        ctx.has_valid = valid is not None
+        ctx.save_for_backward(back, valid if valid is not None else back)
+        if offsets is None:
+            return _take(t, index, spare)
+        return torch.nn.functional.embedding_bag(index, t, offsets, mode="sum")[:rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        back, valid = ctx.saved_tensors
+        if back.dim() == 2:
+            out = torch.nn.functional.embedding_bag(back, grad, mode="sum", padding_idx=ctx.skip)
+        elif not ctx.has_valid:  # every row of t is data
+            out = grad.index_select(0, back)
+        else:
+            # Bags of one row or none: the valid entries packed in order, then the others
+            # (index 0: `grad` has a row wherever some entry is valid), which fall in one
+            # more bag, cut off. (A bag ends where the next begins, and the last one at
+            # the end of the indices, whatever the offsets say.)
+            n = back.shape[0]
+            ends = torch.cumsum(valid, 0)
+            offsets = torch.cat([ends.new_zeros(1), ends])
+            packed = back.new_zeros(n + 1).scatter_(0, torch.where(valid, ends - 1, n), back)[:n]
+            out = torch.nn.functional.embedding_bag(packed, grad, offsets, mode="sum")[:n]
+        return out, None, None, None, None, None, None, None
+
+
 def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group) -> Tensor:
     """Send ``send[j]`` of `rows` to rank j, receive ``recv[i]`` from rank i: all_to_all_v's move.
 
@@ -653,8 +718,11 @@ def dispatch(
         if x.dtype.is_floating_point:
             occupied = torch.zeros(world * block + 1, dtype=torch.int64, device=device)
             occupied = occupied.scatter_(0, slot, torch.ones_like(slot))
-            send_rows = torch.nn.functional.embedding_bag(order // k, x, _exclusive(occupied), mode="sum")
-            send_rows = send_rows[: world * block]
+            # Its backward sums each token's kept slots (one bag of k, dropped pairs
+            # skipped): a gather, not a scatter into zeros.
+            send_rows = _Gather.apply(
+                x, order // k, False, _exclusive(occupied), world * block, row_of.view(tokens, k), None, cap
+            )
         else:
             send_rows = _take(x, send_index, spare=True)
     if keep is None:
@@ -672,7 +740,7 @@ def dispatch(
     else:  # dropless: exchanged already (static mode's kept counts are all of them: it fit)
         recv_counts = known[0]
     if mode == "exact":
-        send_rows = x.index_select(0, send_index)
+        send_rows = _Gather.apply(x, send_index, False, None, None, row_of.view(tokens, k), None, None)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
         # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
         # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
@@ -688,6 +756,7 @@ def dispatch(
         recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
         source, dest_of, counts, offsets, ends = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
         back_index = dest_of  # every received row is data: no index past the rows of y
+        back_valid = None  # every received row is read by the layout row back_index names
         dropped = torch.zeros((), dtype=torch.int64, device=device)
         extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
     else:
@@ -714,9 +783,16 @@ def dispatch(
         s, j = q // block, q % block
         valid = j < got_from[s]
         back_index = torch.where(valid, dest_of[(start[s] + j).clamp(max=n_in - 1)], 0)
+        back_valid = valid
         dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
         extra = {"recv_counts": got_from, "kept": keep}
-    out = _take(recv, source, spare=mode == "exact" and align > 1)
+    # The backward gathers each received row's gradient from its layout row (padding: none).
+    if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
+        out = _take(recv, source, spare=False)
+    else:
+        out = _Gather.apply(
+            recv, source, mode == "exact" and align > 1, None, None, back_index, back_valid, None
+        )
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
@@ -787,7 +863,15 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         )
     # Every index is a row of y, and every index of row_of a row of what comes back
     # (static mode: the rows after the data are zero), except when y has no rows.
-    back = _take(y, handle.back_index, spare=handle.mode == "static" and rows == 0)
+    # The backward gathers each layout row's gradient from the row that carried it
+    # back; layout rows that hold no data (padding, empty capacity) get none.
+    n_back = handle.back_index.shape[0]
+    if handle.mode == "static":  # empty layout rows read the last block's spare row
+        data = handle.recv_source != n_back - 1
+    else:  # exact: every layout row is data, but for the padding to `align` (index n_back)
+        data = handle.recv_source < n_back if handle.align > 1 else None
+    no_rows = handle.mode == "static" and rows == 0  # y has no row: the slots read a zero row
+    back = _Gather.apply(y, handle.back_index, no_rows, None, None, handle.recv_source, data, None)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
         g = resolve_group(opname, handle.group)
