@@ -109,6 +109,10 @@ class MoEHandle:
         back_index: per row combine sends back, the row of ``y`` it carries.
         row_of: per (token, choice) pair, token-major, the returned row holding its
             output (dropped: row `capacity`, the spare row of block 0, which combine skips).
+        send_pairs: per row sent, in order, the (token, choice) pair it carries
+            (static mode: the kept pairs, then the dropped ones, which no row carries).
+        send_offsets: static mode: where each sent row's pairs start in `send_pairs`
+            (one pair or none each); None in exact mode, where row i carries ``send_pairs[i]``.
         send_sizes: exact mode: rows sent to each rank, host ints.
         recv_sizes: exact mode: rows received from each rank, host ints.
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
@@ -136,6 +140,8 @@ class MoEHandle:
     recv_source: Tensor
     back_index: Tensor
     row_of: Tensor
+    send_pairs: Tensor | None = None
+    send_offsets: Tensor | None = None
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
     recv_counts: Tensor | None = None
@@ -714,14 +720,15 @@ def dispatch(
         # The send buffer: one bag per slot, holding its kept pair's token or nothing (a
         # zero row), and a last bag of the dropped pairs, cut off. The kept pairs, by
         # expert (`order`), are in slot order. One pass: no copy of x with a zero row
-        # (which dtypes embedding_bag does not take still make).
+        # (which dtypes embedding_bag does not take still make). Combine's backward
+        # weights the gradient rows through the same bags.
+        occupied = torch.zeros(world * block + 1, dtype=torch.int64, device=device)
+        send_offsets = _exclusive(occupied.scatter_(0, slot, torch.ones_like(slot)))
         if x.dtype.is_floating_point:
-            occupied = torch.zeros(world * block + 1, dtype=torch.int64, device=device)
-            occupied = occupied.scatter_(0, slot, torch.ones_like(slot))
             # Its backward sums each token's kept slots (one bag of k, dropped pairs
             # skipped): a gather, not a scatter into zeros.
             send_rows = _Gather.apply(
-                x, order // k, False, _exclusive(occupied), world * block, row_of.view(tokens, k), None, cap
+                x, order // k, False, send_offsets, world * block, row_of.view(tokens, k), None, cap
             )
         else:
             send_rows = _take(x, send_index, spare=True)
@@ -798,6 +805,7 @@ def dispatch(
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
         dropped=dropped, needed=needed, topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
+        send_pairs=order, send_offsets=None if mode == "exact" else send_offsets,
         group_needed=group_needed, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     if policy is not None and mode == "static":
@@ -880,15 +888,79 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         returned = _even.all_to_all(back, handle.group, 0, 0)
     # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's is.
     spare = None if handle.capacity is None else handle.capacity
-    return _weighted_sum(returned, handle.row_of.view(handle.tokens, handle.topk), topk_weights, spare)
+    row_of = handle.row_of.view(handle.tokens, handle.topk)
+    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, handle.send_offsets)
 
 
-def _weighted_sum(rows: Tensor, row_of: Tensor, weights: Tensor, skip: int | None) -> Tensor:
+class _WeightedSum(torch.autograd.Function):
+    """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]`` (entries equal to `skip` add
+    nothing), whose backward gathers.
+
+    Forward: one ``embedding_bag`` (sum, per-sample weights), as autograd's. Backward:
+    the weights' gradient is the same op's (``_embedding_bag_per_sample_weights_backward``,
+    a dot product per entry); the rows' gradient, ``weights[t, j] * grad[t]`` at row
+    ``row_of[t, j]`` and zero at the rows no entry reads, is a gather through the
+    inverse map, dispatch's send bags (`pairs`, `offsets`: each row carries one pair
+    or none), where autograd's adjoint is a zero fill of ``rows``' size and a
+    scatter-add.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        rows: Tensor,
+        row_of: Tensor,
+        weights: Tensor,
+        skip: int | None,
+        pairs: Tensor,
+        offsets: Tensor | None,
+    ) -> Tensor:
+        tokens, k = row_of.shape
+        flat = row_of.reshape(-1)
+        bags = torch.arange(0, tokens * k, k, device=row_of.device)
+        pad = -1 if skip is None else skip
+        out, offset2bag, _, _ = torch.ops.aten._embedding_bag(
+            rows, flat, bags, False, 0, False, weights.reshape(-1), False, pad
+        )
+        ctx.k, ctx.pad, ctx.has_offsets = k, pad, offsets is not None
+        ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs, offsets)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        rows, flat, bags, offset2bag, weights, pairs, offsets = ctx.saved_tensors
+        d_rows = d_weights = None
+        if ctx.needs_input_grad[0]:
+            w = weights.reshape(-1)[pairs]  # each sent row's pair's weight
+            if ctx.has_offsets:  # static: a bag per row, one pair or none; the dropped pairs' bag cut off
+                d_rows = torch.nn.functional.embedding_bag(
+                    pairs // ctx.k, grad, offsets, mode="sum", per_sample_weights=w
+                )[: rows.shape[0]]
+            else:  # exact: row i carries pair pairs[i]
+                d_rows = torch.nn.functional.embedding_bag(
+                    (pairs // ctx.k).view(-1, 1), grad, mode="sum", per_sample_weights=w.view(-1, 1)
+                )
+        if ctx.needs_input_grad[2]:
+            d_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad, rows, flat, bags, offset2bag, 0, ctx.pad
+            ).view(weights.shape)
+        return d_rows, None, d_weights, None, None, None
+
+
+def _weighted_sum(
+    rows: Tensor,
+    row_of: Tensor,
+    weights: Tensor,
+    skip: int | None,
+    pairs: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> Tensor:
     """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, over the j with ``row_of[t, j] != skip``.
 
     One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
-    writes ``(T, H)``, with no ``(T, k, H)`` gather in between, and its backward
-    scatters the gradient rows back and gives the weights' gradient. Entries equal
+    writes ``(T, H)``, with no ``(T, k, H)`` gather in between. With `pairs` (the
+    pair each row carries, dispatch's ``send_pairs`` and ``send_offsets``) its
+    backward is :class:`_WeightedSum`'s gather; without, autograd's. Entries equal
     to `skip` (its ``padding_idx``) add nothing and get no gradient. Dtypes it does
     not take (complex, integer) gather, mask and sum, and so does bfloat16 on CUDA
     when the weights need a gradient: CUDA has no bfloat16 kernel for the weights'
@@ -899,6 +971,8 @@ def _weighted_sum(rows: Tensor, row_of: Tensor, weights: Tensor, skip: int | Non
     w = weights.to(rows.dtype)
     no_kernel = rows.is_cuda and rows.dtype == torch.bfloat16 and w.requires_grad and torch.is_grad_enabled()
     if rows.dtype.is_floating_point and not no_kernel:
+        if pairs is not None:
+            return _WeightedSum.apply(rows, row_of, w, skip, pairs, offsets)
         return torch.nn.functional.embedding_bag(
             row_of, rows, per_sample_weights=w, mode="sum", padding_idx=skip
         )
