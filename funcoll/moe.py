@@ -140,7 +140,7 @@ class MoEHandle:
     recv_source: Tensor
     back_index: Tensor
     row_of: Tensor
-    send_pairs: Tensor | None = None
+    send_pairs: Tensor
     send_offsets: Tensor | None = None
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
@@ -952,15 +952,15 @@ def _weighted_sum(
     row_of: Tensor,
     weights: Tensor,
     skip: int | None,
-    pairs: Tensor | None = None,
-    offsets: Tensor | None = None,
+    pairs: Tensor,
+    offsets: Tensor | None,
 ) -> Tensor:
     """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, over the j with ``row_of[t, j] != skip``.
 
     One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
-    writes ``(T, H)``, with no ``(T, k, H)`` gather in between. With `pairs` (the
-    pair each row carries, dispatch's ``send_pairs`` and ``send_offsets``) its
-    backward is :class:`_WeightedSum`'s gather; without, autograd's. Entries equal
+    writes ``(T, H)``, with no ``(T, k, H)`` gather in between. Its backward is
+    :class:`_WeightedSum`'s gather through the pair each row carries (`pairs`,
+    `offsets`: dispatch's ``send_pairs`` and ``send_offsets``). Entries equal
     to `skip` (its ``padding_idx``) add nothing and get no gradient. Dtypes it does
     not take (complex, integer) gather, mask and sum, and so does bfloat16 on CUDA
     when the weights need a gradient: CUDA has no bfloat16 kernel for the weights'
@@ -971,11 +971,7 @@ def _weighted_sum(
     w = weights.to(rows.dtype)
     no_kernel = rows.is_cuda and rows.dtype == torch.bfloat16 and w.requires_grad and torch.is_grad_enabled()
     if rows.dtype.is_floating_point and not no_kernel:
-        if pairs is not None:
-            return _WeightedSum.apply(rows, row_of, w, skip, pairs, offsets)
-        return torch.nn.functional.embedding_bag(
-            row_of, rows, per_sample_weights=w, mode="sum", padding_idx=skip
-        )
+        return _WeightedSum.apply(rows, row_of, w, skip, pairs, offsets)
     per_pair = rows.index_select(0, row_of.reshape(-1)).view(*row_of.shape, rows.shape[1])
     if skip is not None:
         w = torch.where(row_of == skip, 0, w)
