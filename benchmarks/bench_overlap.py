@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -173,6 +174,9 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
            names: list[str] | None, forms: tuple[str, ...] = FORMS) -> list[dict[str, Any]]:  # fmt: skip
+    # The overlap measured is funcoll's deferred wait: NCCL's default, opt-in on gloo
+    # (funcoll._async.defers says why), as funcol's AsyncCollectiveTensor always is.
+    os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     # Every variant's step is the same code object with other defaults: one graph each.
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, limit):

@@ -61,7 +61,8 @@ def _run(
     Eager, the result is a :class:`funcoll._async.Pending` (funcol's
     ``AsyncCollectiveTensor`` design): the call returns once the collective is
     issued, and the wait happens when an op first reads the values, so the
-    caller's work in between overlaps with the communication. A backend failure
+    caller's work in between overlaps with the communication. Not on gloo, by
+    default: there the op waits before it returns (:func:`funcoll._async.defers`). A backend failure
     (a peer rank died, raised or stayed away) is re-raised naming the funcoll
     op, the collective and its `step` (:mod:`funcoll._faults`), at the issue or
     at that wait. ``defer=False`` waits at once: the size exchanges, whose values
@@ -86,7 +87,7 @@ def _run(
     try:
         with torch._C._AutoDispatchBelowAutograd():
             out = issue(group_name)
-            if not defer:
+            if not defer or not _async.defers(out, group_name):  # on gloo: _async.defers
                 return _F.wait_tensor(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e

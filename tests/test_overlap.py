@@ -1,7 +1,9 @@
 """Eager funcoll ops return before their data arrives; the wait happens at first use.
 
-Each case calls a public op on 2 and 3 gloo ranks and reads c10d's work registry
-(``funcoll.testing.in_flight()``) right after the call: an op whose result reaches
+On gloo that is opt-in (``FUNCOLL_GLOO_DEFER=1``; ``funcoll._async.defers`` says
+why): by default a gloo op waits before it returns, which is checked first. Then
+each rank opts in, and each case calls a public op on 2 and 3 gloo ranks and reads
+c10d's work registry (``funcoll.testing.in_flight()``) right after the call: an op whose result reaches
 the caller unchanged or through views returns with its data collective still
 registered (issued, not waited), so the caller's work until the first read
 overlaps with it. Ops that must copy what arrives (a pad cut, a reduction of the
@@ -16,6 +18,7 @@ much of the communication a step hides.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +104,11 @@ def _moe(rank: int, world: int) -> dict[str, Any]:
 
 def _body(rank: int, world: int) -> dict[str, Any]:
     got: dict[str, Any] = {}
+    # gloo's default: every eager op waits before it returns (funcoll._async.defers).
+    y = funcoll.all_gather(_even(world)[rank])
+    got["gloo_default"] = {"type": type(y).__name__, "in_flight": in_flight(), "y": y}
+    # The rest runs as NCCL does by default: results deferred to their first use.
+    os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     for name, (call, _, _) in CASES.items():
         y = call(rank, world)
         pending = in_flight()  # before anything reads y
@@ -157,6 +165,18 @@ def test_result_arrives_at_first_use(results: dict[int, list[dict[str, Any]]], w
             assert r["pending"] >= 1 and r["type"] == "Pending", (rank, r["pending"], r["type"])
         else:
             assert r["pending"] == 0, f"rank {rank}: {r['pending']} in flight, expected a waited result"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gloo_waits_before_the_op_returns_unless_told(
+    results: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    for rank, got in enumerate(results[world]):
+        g = got["gloo_default"]
+        assert (g["type"], g["in_flight"]) == ("Tensor", 0), (
+            f"rank {rank}: {g['type']}, {g['in_flight']} in flight"
+        )
+        torch.testing.assert_close(g["y"], torch.cat(_even(world)))
 
 
 @pytest.mark.parametrize("world", WORLDS)
