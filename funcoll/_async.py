@@ -200,8 +200,10 @@ def wait(tree: Any) -> Any:
     (docs/overlap.md). ``wait`` makes that point explicit: for a timer that must
     include the communication, or before handing the tensors to code that reads
     memory without torch's dispatch (``data_ptr()``, a custom kernel, numpy). On
-    gloo the host waits; on NCCL the current stream waits for the collective's
-    stream and the host does not. A failure of the collective raises here, naming
+    NCCL the current stream waits for the collective's stream and the host does
+    not. On gloo the ops have waited before they returned, unless
+    ``FUNCOLL_GLOO_DEFER=1`` (:func:`defers`); then the host waits here. A
+    failure of the collective raises here, naming
     the funcoll op that issued it. Anything else in `tree` (a plain tensor, a
     compiled graph's output, which its graph already waited for, a number) is
     returned as it is; inside a compiled graph ``wait`` is the identity.
