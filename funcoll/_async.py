@@ -165,10 +165,12 @@ def defers(output: Tensor, group_name: str) -> bool:
     ``all_gather_into_tensor`` issued and waited, both straight on
     ``torch.ops._c10d_functional`` (no funcoll code), 3 ranks, a few rows each:
     glibc aborted ("malloc(): unaligned fastbin chunk detected", or a SIGSEGV in
-    a gloo thread) in 2 of 4 runs of 3000 steps under ``MALLOC_CHECK_=3`` (torch
-    2.12), and funcoll's deferred results did the same about once in 600 runs of
-    a 3-rank test batch without it (torch 2.12 and 2.13); waiting each collective
-    before the next call, none did in 12000 steps. So on gloo the eager ops wait
+    a gloo thread) in runs of 3000 steps under ``MALLOC_CHECK_=3`` on every torch
+    funcoll supports (2.11: 1 of 4 runs, 2.12: 2 of 4, 2.13: 4 of 8, 2.14.1: 1 of
+    4, 2.15: 1 of 4), and funcoll's deferred results did the same about once in
+    600 runs of a 3-rank test batch without it (torch 2.12 and 2.13); waiting
+    each collective before the next call, none did in 12000 steps (torch 2.12).
+    So on gloo the eager ops wait
     before they return, as they did before results were deferred: the host's
     work does not overlap the communication there. NCCL (and every other
     backend) defers, as funcol does.
