@@ -170,10 +170,9 @@ def defers(output: Tensor, group_name: str) -> bool:
     4, 2.15: 1 of 4), and funcoll's deferred results did the same about once in
     600 runs of a 3-rank test batch without it (torch 2.12 and 2.13); waiting
     each collective before the next call, none did in 12000 steps (torch 2.12).
-    So on gloo the eager ops wait
-    before they return, as they did before results were deferred: the host's
-    work does not overlap the communication there. NCCL (and every other
-    backend) defers, as funcol does.
+    So on gloo the eager ops wait before they return, as they did before results
+    were deferred: the host's work does not overlap the communication there.
+    NCCL (and every other backend) defers, as funcol does.
     """
     # Read per call (a few microseconds): a group name is reused once its group is destroyed.
     pg = torch._C._distributed_c10d._resolve_process_group(group_name)
@@ -205,8 +204,7 @@ def wait(tree: Any) -> Any:
     NCCL the current stream waits for the collective's stream and the host does
     not. On gloo the ops have waited before they returned, unless
     ``FUNCOLL_GLOO_DEFER=1`` (:func:`defers`); then the host waits here. A
-    failure of the collective raises here, naming
-    the funcoll op that issued it. Anything else in `tree` (a plain tensor, a
+    failure of the collective raises here, naming the funcoll op that issued it. Anything else in `tree` (a plain tensor, a
     compiled graph's output, which its graph already waited for, a number) is
     returned as it is; inside a compiled graph ``wait`` is the identity.
 

@@ -62,8 +62,8 @@ def _run(
     ``AsyncCollectiveTensor`` design): the call returns once the collective is
     issued, and the wait happens when an op first reads the values, so the
     caller's work in between overlaps with the communication. Not on gloo, by
-    default: there the op waits before it returns (:func:`funcoll._async.defers`). A backend failure
-    (a peer rank died, raised or stayed away) is re-raised naming the funcoll
+    default: there the op waits before it returns (:func:`funcoll._async.defers`).
+    A backend failure (a peer rank died, raised or stayed away) is re-raised naming the funcoll
     op, the collective and its `step` (:mod:`funcoll._faults`), at the issue or
     at that wait. ``defer=False`` waits at once: the size exchanges, whose values
     the host reads next. While compiling this is the issue and the wait, which

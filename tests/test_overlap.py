@@ -3,8 +3,8 @@
 On gloo that is opt-in (``FUNCOLL_GLOO_DEFER=1``; ``funcoll._async.defers`` says
 why): by default a gloo op waits before it returns, which is checked first. Then
 each rank opts in, and each case calls a public op on 2 and 3 gloo ranks and reads
-c10d's work registry (``funcoll.testing.in_flight()``) right after the call: an op whose result reaches
-the caller unchanged or through views returns with its data collective still
+c10d's work registry (``funcoll.testing.in_flight()``) right after the call: an op
+whose result reaches the caller unchanged or through views returns with its data collective still
 registered (issued, not waited), so the caller's work until the first read
 overlaps with it. Ops that must copy what arrives (a pad cut, a reduction of the
 pieces, a layout change) return waited: the table says which. The result is
