@@ -2,7 +2,8 @@
 
 For each case of ``_ops.CASES`` on 2 real gloo ranks, every rank runs the op eagerly
 and under ``torch.compile(fullgraph=True, backend="aot_eager")`` with ``dynamic``
-None and True, then the backward of a seeded loss. The compiled
+None (and True for the cases of :func:`_every_way`), then the backward of a seeded
+loss. The compiled
 outputs and input gradients must equal the eager ones and the single-process
 reference. ``dynamic=False`` is not run: on a first call it traces what ``None``
 traces (static sizes, ``mark_dynamic``/``mark_unbacked`` honoured by both), and
@@ -11,9 +12,9 @@ fullgraph, the case where a ``.tolist()`` can break the graph) must report no gr
 break for every op that reads exchanged sizes on the host; for the others a
 fullgraph compile is already the proof.
 
-Every case also goes through the inductor backend (CPU here) on 2 ranks, with
-``dynamic=None``, and ``True`` too for the ops that exchange sizes (the others'
-symbolic shapes run on aot_eager): its results must match too, and the code inductor
+The cases of :func:`_every_way` also go through the inductor backend (CPU here) on
+2 ranks, with ``dynamic=None``, and ``True`` too for the ops that exchange sizes (the
+others' symbolic shapes run on aot_eager): its results must match too, and the code inductor
 generates (``run_and_get_code``) must call each collective the graph tests expect
 (``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
 ``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
@@ -69,6 +70,22 @@ INDUCTOR_WORLD = 2
 INDUCTOR_DYNAMICS: tuple[bool | None, ...] = (None,) if SMOKE else (None, True)
 
 
+def _every_way(case: OpCase) -> bool:
+    """Whether `case` also compiles with ``dynamic=True`` on aot_eager, and on inductor.
+
+    The ``at_scale`` cases (one or two per op and argument set) and those with a
+    non-contiguous input (its strides reach the collective's layout): the suite's
+    time. Every case compiles with ``dynamic=None`` on aot_eager, and symbolic
+    sizes of every ragged op run in test_recompiles and test_rank_divergence.
+    """
+    return case.at_scale or "noncontig" in case.id  # the id says when an input is non-contiguous
+
+
+def _aot_dynamics(world: int, case: OpCase) -> tuple[bool | None, ...]:
+    dynamics = GRID[world][0]
+    return dynamics if _every_way(case) else tuple(d for d in dynamics if d is None)
+
+
 def _inductor_dynamics(case: OpCase) -> tuple[bool | None, ...]:
     """dynamic=True on inductor for the ops that exchange sizes only: the suite's time."""
     return INDUCTOR_DYNAMICS if case.exchanges_sizes else (None,)
@@ -95,7 +112,7 @@ def _compile_and_run(
     case = CASES_BY_ID[case_id]
     res: dict[Any, Any] = {"eager": run_case(case, rank, world)}
     for d in dynamics:
-        if backend == "inductor" and d not in _inductor_dynamics(case):
+        if d not in (_inductor_dynamics(case) if backend == "inductor" else _aot_dynamics(world, case)):
             continue
         if has_error(res):
             return res  # stop at the first error: the ranks may be out of step
@@ -127,8 +144,8 @@ def _cases_for(world: int) -> list[OpCase]:
 
 
 def _inductor_cases() -> list[OpCase]:
-    """Every case on inductor; in the release matrix's smoke run, one per argument set (``at_scale``)."""
-    return [c for c in _cases_for(INDUCTOR_WORLD) if c.at_scale or not SMOKE]
+    """The cases of :func:`_every_way`; in the release matrix's smoke run, the ``at_scale`` ones."""
+    return [c for c in _cases_for(INDUCTOR_WORLD) if c.at_scale or (_every_way(c) and not SMOKE)]
 
 
 @functools.cache
@@ -213,9 +230,9 @@ def _xfail_known(case: OpCase) -> list:
 def _params() -> list:
     return [
         pytest.param(world, case, d, id=f"w{world}-{case.id}-dynamic={d}", marks=_xfail_known(case))
-        for world, (dynamics, _) in GRID.items()
+        for world in GRID
         for case in _cases_for(world)
-        for d in dynamics
+        for d in _aot_dynamics(world, case)
     ]
 
 

@@ -8,16 +8,16 @@ funcoll's ragged ops must issue the same collective sequence in all those graphs
 (the size exchange, then a fixed set of collectives), or the ranks would mismatch:
 a gloo error, garbage, or a hang. ``run_ranks``' timeout turns a hang into a failure.
 
-Each case is one compiled function per op and per ``dynamic=`` mode (None, on 4
-ranks), called three times with the lengths {0, 1, 2, 7}
-spread over the ranks and permuted between calls, so that some ranks reuse a
+Each case is one compiled function per op and per ``dynamic=`` mode (None, on 3
+ranks), called three times with lengths from {0, 1, 2, 7}
+spread over the ranks and changed between calls, so that some ranks reuse a
 graph while others compile a new one. Forward and input gradients (float64) are
 compared with a single-process reference built from every rank's input, and a
 check of the setup asserts that the ranks really traced graphs of different
 shapes. Each (world, op) runs in its own ``run_ranks`` call.
 
 ``funcoll.moe`` dispatch and combine run too (exact mode, and static mode with a
-capacity that drops nothing), on 4 ranks: each rank routes its tokens over every
+capacity that drops nothing), on 3 ranks: each rank routes its tokens over every
 rank's experts in its own pattern, and a rank with no tokens still joins every
 collective of the others.
 
@@ -46,19 +46,21 @@ TIMEOUT = 150.0
 # The local lengths of each call (one row per call, one entry per rank).
 LENGTHS: dict[int, list[list[int]]] = {
     2: [[1, 7], [0, 2], [7, 1]],
-    4: [[0, 1, 2, 7], [7, 2, 1, 0], [2, 7, 0, 1]],
+    3: [[0, 1, 7], [7, 0, 2], [2, 7, 1]],
 }
-# The `dynamic=` modes run per world. On world 4 the default (None) alone already
-# mixes graphs specialized to 0 or 1 with symbolic ones within one call (the second);
+# The `dynamic=` modes run per world. On world 3 the default (None) alone already
+# mixes graphs specialized to 0 with symbolic ones within one call (the second: rank 0
+# and 2 recompile symbolic, rank 1 specializes to 0), and in the third ranks 0 and 1
+# reuse their symbolic graphs while rank 2 compiles one specialized to 1;
 # world 2 runs "mixed" (eager and compiled ranks). dynamic=False is not among them:
 # it compiles a static graph per length, which None does on every rank's first call
 # and, for lengths 0 and 1, on later ones. Nor is True: it too specializes lengths 0
 # and 1 (they are backed sizes) and makes the others symbolic from the first call,
 # the same mix of graphs None reaches by its second call (the suite's time).
 Mode = bool | str | None  # a dynamic= mode, or "mixed": even ranks eager, odd ranks compiled
-DYNAMIC_MODES: dict[int, tuple[Mode, ...]] = {2: ("mixed",), 4: (None,)}
-# A case that runs on 4 ranks only (moe) meets eager ranks there: no 2-rank run has it.
-ONLY_AT_4_MODES: tuple[Mode, ...] = (None, "mixed")
+DYNAMIC_MODES: dict[int, tuple[Mode, ...]] = {2: ("mixed",), 3: (None,)}
+# A case that runs on 3 ranks only (moe) meets eager ranks there: no 2-rank run has it.
+ONLY_AT_3_MODES: tuple[Mode, ...] = (None, "mixed")
 
 
 def _prefixed(where: str) -> Callable[[str], str]:
@@ -98,7 +100,7 @@ class Case:
 
 
 def _modes(world: int, case: Case) -> tuple[Mode, ...]:
-    return ONLY_AT_4_MODES if case.worlds == (4,) else DYNAMIC_MODES[world]
+    return ONLY_AT_3_MODES if case.worlds == (3,) else DYNAMIC_MODES[world]
 
 
 def _no_arg(lengths: list[int], rank: int) -> None:
@@ -229,10 +231,10 @@ CASES = [
         lambda ls, r: list(ls), _reduce_scatter_reference,
     ),
     *(
-        # 4 ranks only (their lengths 0, 1, 2 and 7 cover the 2-rank ones): suite time.
+        # 3 ranks only (their lengths 0, 1, 2 and 7 cover the 2-rank ones): suite time.
         Case(
             f"moe-{mode}-x(n,3)-k2", _moe_step(mode), lambda ls, r: (ls[r], 3), _moe_routing, _moe_reference,
-            worlds=(4,),
+            worlds=(3,),
         )
         for mode in ("exact", "static")
     ),
