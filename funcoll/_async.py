@@ -204,9 +204,10 @@ def wait(tree: Any) -> Any:
     NCCL the current stream waits for the collective's stream and the host does
     not. On gloo the ops have waited before they returned, unless
     ``FUNCOLL_GLOO_DEFER=1`` (:func:`defers`); then the host waits here. A
-    failure of the collective raises here, naming the funcoll op that issued it. Anything else in `tree` (a plain tensor, a
-    compiled graph's output, which its graph already waited for, a number) is
-    returned as it is; inside a compiled graph ``wait`` is the identity.
+    failure of the collective raises here, naming the funcoll op that issued
+    it. Anything else in `tree` (a plain tensor, a compiled graph's output,
+    which its graph already waited for, a number) is returned as it is; inside
+    a compiled graph ``wait`` is the identity.
 
     Args:
         tree: a tensor, or any nesting of lists, tuples and dicts holding some

@@ -63,9 +63,9 @@ def _run(
     issued, and the wait happens when an op first reads the values, so the
     caller's work in between overlaps with the communication. Not on gloo, by
     default: there the op waits before it returns (:func:`funcoll._async.defers`).
-    A backend failure (a peer rank died, raised or stayed away) is re-raised naming the funcoll
-    op, the collective and its `step` (:mod:`funcoll._faults`), at the issue or
-    at that wait. ``defer=False`` waits at once: the size exchanges, whose values
+    A backend failure (a peer rank died, raised or stayed away) is re-raised
+    naming the funcoll op, the collective and its `step` (:mod:`funcoll._faults`),
+    at the issue or at that wait. ``defer=False`` waits at once: the size exchanges, whose values
     the host reads next. While compiling this is the issue and the wait, which
     inductor's passes may move past independent work; under checks a size
     exchange's wait (``defer=False``) is ``funcoll::wait``, which names the op
