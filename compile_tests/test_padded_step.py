@@ -14,11 +14,16 @@ and a weighted loss, plus the cumsum of the returned sizes. It is compiled with
   (the ranks' data rows concatenated, zero-padded; the gradients by torch.autograd
   of the summed losses);
 - the AOT forward and backward graphs hold no host read (``_local_scalar_dense``),
-  no funcoll custom op (the ragged ops' size read) and no graph break.
+  no funcoll custom op (the ragged ops' size read) and no graph break;
+- with ``dynamic=True`` and a row width that changes between steps, rows at least as
+  wide as the size header that travels beside them share one graph (the header is one
+  row: a guard on the width's range, not its value), narrower rows a second one, and
+  every step matches the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -35,6 +40,11 @@ STEPS = 12
 BOUND = 5  # gather_padded's rows per rank
 CAP = 3  # all_to_all_padded's rows per destination block
 WIDTH = 4
+# Row widths one dynamic=True step sees in turn: as wide as the size header that travels
+# beside the rows (12 int64, world + 11 for all_to_all_padded: 12 to 14 float64 elements here)
+# or wider, then narrower. The wide ones share
+# one graph (the header takes one row whatever the width), the narrow ones another.
+WIDTHS = (16, 24, 4, 6)
 CONFIGS = (("aot_eager", None), ("aot_eager", True), ("inductor", None))
 OUTPUTS = ("y", "sizes", "y2", "recv_sizes", "loss")
 
@@ -49,22 +59,32 @@ def send(step: int, rank: int, world: int) -> list[int]:
     return [(step + 2 * rank + 3 * j) % (CAP + 1) for j in range(world)]
 
 
-def _randn(rows: int, *key: object) -> Tensor:
+def _randn(rows: int, *key: object, width: int = WIDTH) -> Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    return torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
+    return torch.randn(rows, width, generator=g, dtype=torch.float64)
 
 
-def _inputs(step: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _inputs(step: int, rank: int, world: int, width: int = WIDTH) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (
-        _randn(BOUND, "x", step, rank),
+        _randn(BOUND, "x", step, rank, width=width),
         torch.tensor(length(step, rank)),
-        _randn(world * CAP, "x2", step, rank),
+        _randn(world * CAP, "x2", step, rank, width=width),
         torch.tensor(send(step, rank, world)),
     )
 
 
-def _weights(world: int, rank: int) -> tuple[Tensor, Tensor]:
-    return _randn(world * BOUND, "w", rank), _randn(world * CAP, "w2", rank)
+def _weights(world: int, rank: int, width: int = WIDTH) -> tuple[Tensor, Tensor]:
+    return _randn(world * BOUND, "w", rank, width=width), _randn(world * CAP, "w2", rank, width=width)
+
+
+def _step(fn: Any, step: int, rank: int, world: int, width: int = WIDTH) -> list[Tensor]:
+    """One call of `fn` and its backward: the outputs, then both inputs' gradients."""
+    x, n, x2, counts = _inputs(step, rank, world, width)
+    x.requires_grad_()
+    x2.requires_grad_()
+    got = fn(x, n, x2, counts, *_weights(world, rank, width))
+    got[-1].backward()
+    return [t.detach() for t in got] + [x.grad, x2.grad]
 
 
 def step_fn(x: Tensor, n: Tensor, x2: Tensor, counts: Tensor, w: Tensor, w2: Tensor) -> tuple[Tensor, ...]:
@@ -91,15 +111,13 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         torch._dynamo.reset()
         counter = CompileCounterWithBackend(backend)
         fn = torch.compile(step_fn, fullgraph=True, dynamic=dynamic, backend=counter)
-        steps = []
-        for s in range(STEPS):
-            x, n, x2, counts = _inputs(s, rank, world)
-            x.requires_grad_()
-            x2.requires_grad_()
-            got = fn(x, n, x2, counts, w, w2)
-            got[-1].backward()
-            steps.append([t.detach() for t in got] + [x.grad, x2.grad])
+        steps = [_step(fn, s, rank, world) for s in range(STEPS)]
         out[f"{backend}-{dynamic}"] = {"graphs": counter.frame_count, "steps": steps}
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(step_fn, fullgraph=True, dynamic=True, backend=counter)
+    out["widths"] = {"steps": [_step(fn, s, rank, world, width) for s, width in enumerate(WIDTHS)]}
+    out["widths"]["graphs"] = counter.frame_count
     # The AOT graphs of the step, read for host reads; and dynamo's own count of breaks.
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
@@ -118,22 +136,22 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _reference(world: int, s: int) -> list[list[Tensor]]:
+def _reference(world: int, s: int, width: int = WIDTH) -> list[list[Tensor]]:
     """Every rank's outputs and input gradients at step `s`, from all ranks' inputs in one process."""
-    inputs = [_inputs(s, r, world) for r in range(world)]
+    inputs = [_inputs(s, r, world, width) for r in range(world)]
     xs = [inp[0].requires_grad_() for inp in inputs]
     x2s = [inp[2].requires_grad_() for inp in inputs]
     lengths = [length(s, r) for r in range(world)]
     data = torch.cat([x[:n] for x, n in zip(xs, lengths, strict=True)])
-    y = torch.cat([data, data.new_zeros(world * BOUND - data.shape[0], WIDTH)])
+    y = torch.cat([data, data.new_zeros(world * BOUND - data.shape[0], width)])
     sizes = torch.tensor(lengths)
     sends = [send(s, r, world) for r in range(world)]
     outs, losses = [], []
     for j in range(world):
         got = torch.cat([x2s[i][j * CAP : j * CAP + sends[i][j]] for i in range(world)])
-        y2 = torch.cat([got, got.new_zeros(world * CAP - got.shape[0], WIDTH)])
+        y2 = torch.cat([got, got.new_zeros(world * CAP - got.shape[0], width)])
         recv_sizes = torch.tensor([sends[i][j] for i in range(world)])
-        w, w2 = _weights(world, j)
+        w, w2 = _weights(world, j, width)
         ends = torch.cumsum(sizes, 0) + torch.cumsum(recv_sizes, 0).sum()
         loss = (torch.softmax(y, -1) * w).sum() + (torch.softmax(y2, -1) * w2).sum() + ends.sum()
         outs.append([y, sizes, y2, recv_sizes, loss])
@@ -142,9 +160,22 @@ def _reference(world: int, s: int) -> list[list[Tensor]]:
     return [[t.detach() for t in outs[r]] + [grads[r], grads[world + r]] for r in range(world)]
 
 
+@functools.cache
+def _results(world: int) -> list[dict[str, Any]]:
+    """Every rank's runs, once per world size for the tests below (one launch of the ranks)."""
+    return run_ranks(_run, world, timeout=540)
+
+
+def _assert_steps(rank: int, label: str, steps: list[list[Tensor]], refs: list[list[list[Tensor]]]) -> None:
+    for s, (step, ref) in enumerate(zip(steps, refs, strict=True)):
+        names = (*OUTPUTS, "x.grad", "x2.grad")
+        for name, a, b in zip(names, step, ref[rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"rank {rank} {label} step {s} {name}")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_compiled_step_compiles_once_and_matches_reference(world: int) -> None:
-    results = run_ranks(_run, world, timeout=540)
+    results = _results(world)
     refs = [_reference(world, s) for s in range(STEPS)]
     for rank, res in enumerate(results):
         assert res["breaks"] == 0, f"rank {rank}: {res['breaks']} graph breaks"
@@ -152,13 +183,13 @@ def test_compiled_step_compiles_once_and_matches_reference(world: int) -> None:
         for backend, dynamic in CONFIGS:
             got = res[f"{backend}-{dynamic}"]
             assert got["graphs"] == 1, f"rank {rank} {backend} dynamic={dynamic}: {got['graphs']} graphs"
-            for s, (step, ref) in enumerate(zip(got["steps"], refs, strict=True)):
-                names = (*OUTPUTS, "x.grad", "x2.grad")
-                for name, a, b in zip(names, step, ref[rank], strict=True):
-                    torch.testing.assert_close(
-                        a,
-                        b,
-                        rtol=1e-9,
-                        atol=1e-9,
-                        msg=f"rank {rank} {backend} dynamic={dynamic} step {s} {name}",
-                    )
+            _assert_steps(rank, f"{backend} dynamic={dynamic}", got["steps"], refs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dynamic_row_widths_share_a_graph_per_header_layout(world: int) -> None:
+    """Rows at least as wide as the header (16, 24) share one graph; narrower ones (4, 6) another."""
+    refs = [_reference(world, s, width) for s, width in enumerate(WIDTHS)]
+    for rank, res in enumerate(_results(world)):
+        assert res["widths"]["graphs"] == 2, f"rank {rank}: {res['widths']['graphs']} graphs for {WIDTHS}"
+        _assert_steps(rank, f"widths {WIDTHS}", res["widths"]["steps"], refs)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import _prims
 from ._checks import IntLike, check_dim, check_sizes, check_tensor
@@ -211,7 +212,12 @@ def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike
             pieces = pieces - (pieces >= (1 << (bits - 1))).to(torch.int64) * (1 << bits)
         pieces = pieces.to(dtype).reshape(-1)
     row = math.prod(row_shape)
-    k = -(-pieces.shape[0] // row) + 1  # the last row all zeros: the pack copies padding from it
+    n = pieces.shape[0]
+    # The last row all zeros: the pack copies padding from it. A row as wide as the header
+    # (every real hidden size) holds it: for a symbolic row that is a guard on its range,
+    # not its value, so one graph serves every such width and the blocks' sizes stay free
+    # of the ceiling division, which costs seconds of symbolic reasoning in each of their views.
+    k = 2 if guard_or_false(row >= n) else -(-n // row) + 1
     return torch.cat([pieces, pieces.new_zeros(k * row - pieces.shape[0])]).view(k, *row_shape)
 
 
