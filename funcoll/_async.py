@@ -159,28 +159,37 @@ def _nests_tensors(arg: Any) -> bool:
 def defers(output: Tensor, group_name: str) -> bool:
     """Whether `output`'s collective may stay in flight past the op's return (:func:`defer`).
 
-    Not on gloo, unless the environment says ``FUNCOLL_GLOO_DEFER=1``: with a gloo
-    collective in flight while the calling thread went on, torch's own functional
-    collectives corrupted the heap. ``all_to_all_single`` left unwaited, then an
-    ``all_gather_into_tensor`` issued and waited, both straight on
-    ``torch.ops._c10d_functional`` (no funcoll code), 3 ranks, a few rows each:
-    glibc aborted ("malloc(): unaligned fastbin chunk detected", or a SIGSEGV in
-    a gloo thread) in runs of 3000 steps under ``MALLOC_CHECK_=3`` on every torch
-    funcoll supports (2.11: 1 of 4 runs, 2.12: 2 of 4, 2.13: 4 of 8, 2.14.1: 1 of
-    4, 2.15: 1 of 4), and funcoll's deferred results did the same about once in
-    600 runs of a 3-rank test batch without it (torch 2.12 and 2.13); waiting
-    each collective before the next call, none did in 12000 steps (torch 2.12).
-    So on gloo the eager ops wait before they return, as they did before results
-    were deferred: the host's work does not overlap the communication there.
-    NCCL (and every other backend) defers, as funcol does.
+    Not on a gloo group with torch's two worker threads, unless the environment
+    says ``FUNCOLL_GLOO_DEFER=1``: with a gloo collective in flight while the
+    calling thread went on, torch's own functional collectives corrupted the heap.
+    ``all_to_all_single`` left unwaited, then an ``all_gather_into_tensor`` issued
+    and waited, both straight on ``torch.ops._c10d_functional`` (no funcoll code),
+    3 ranks, a few rows each (``benchmarks/gloo_inflight_probe.py``): glibc
+    aborted ("malloc(): unaligned fastbin chunk detected", or a SIGSEGV in a gloo
+    thread) in runs of 3000 steps on every torch funcoll supports (2.11: 1 of 4
+    runs, 2.12: 2 of 4, 2.13: 4 of 8 and 4 of 20, 2.14.1: 1 of 4, 2.15: 1 of 4),
+    and funcoll's deferred results did the same about once in 600 runs of a
+    3-rank test batch (torch 2.12 and 2.13); waiting each collective before the
+    next call, none did in 12000 steps (torch 2.12). With one worker thread
+    (:func:`funcoll.testing.gloo_worker_threads`), which runs the group's
+    collectives one at a time in their order, none did: 0 of 32 probe runs, and
+    0 of 2230 test batches of funcoll's deferred results against 1 of 2620 with
+    two threads (torch 2.13). So on a gloo group with more than one worker
+    thread the eager ops wait before they return: the host's work does not
+    overlap the communication there. A one-thread gloo group, NCCL and every
+    other backend defer, as funcol does.
     """
     # Read per call (a few microseconds): a group name is reused once its group is destroyed.
     pg = torch._C._distributed_c10d._resolve_process_group(group_name)
     try:
-        backend = pg._get_backend(output.device).name()
+        backend = pg._get_backend(output.device)
     except RuntimeError:  # no backend for this device type: the op itself has raised already
-        backend = pg.name()
-    return backend != "gloo" or os.environ.get("FUNCOLL_GLOO_DEFER") == "1"
+        return pg.name() != "gloo"
+    if backend.name() != "gloo":
+        return True
+    return getattr(getattr(backend, "options", None), "_threads", None) == 1 or (
+        os.environ.get("FUNCOLL_GLOO_DEFER") == "1"
+    )
 
 
 def defer(output: Tensor, collective: str, group_name: str, step: str) -> Tensor:
@@ -202,7 +211,8 @@ def wait(tree: Any) -> Any:
     include the communication, or before handing the tensors to code that reads
     memory without torch's dispatch (``data_ptr()``, a custom kernel, numpy). On
     NCCL the current stream waits for the collective's stream and the host does
-    not. On gloo the ops have waited before they returned, unless
+    not. On gloo the ops have waited before they returned, unless the group
+    runs one worker thread (``funcoll.testing.gloo_worker_threads``) or
     ``FUNCOLL_GLOO_DEFER=1`` (:func:`defers`); then the host waits here. A
     failure of the collective raises here, naming the funcoll op that issued
     it. Anything else in `tree` (a plain tensor, a compiled graph's output,

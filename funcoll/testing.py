@@ -48,6 +48,7 @@ __all__ = [
     "HostReads",
     "RankError",
     "count_host_reads",
+    "gloo_worker_threads",
     "group_of",
     "in_flight",
     "launch",
@@ -255,10 +256,14 @@ def in_flight() -> int:
     eager funcoll result is registered until it is first read (or freed): after
     reading every result of funcoll's ops, eager or compiled, forward or backward,
     and after any error one raised, it is 0. Check it in code built on funcoll the
-    same way (:func:`settled` reads the results first). ::
+    same way (:func:`settled` reads the results first). On gloo the ops wait
+    before they return (0 in flight) unless the group runs one worker thread
+    (:func:`gloo_worker_threads`)::
 
         def body(rank, world):
-            y = funcoll.gather(torch.ones(rank + 1))
+            with gloo_worker_threads(1):
+                group = dist.new_group(list(range(world)))
+            y = funcoll.gather(torch.ones(rank + 1), group=group)
             issued = in_flight()  # 1: the data is still on its way
             y = y + 1             # the first read waits
             return issued, in_flight()
@@ -266,6 +271,39 @@ def in_flight() -> int:
         assert run_ranks(body, world=2) == [(1, 0), (1, 0)]
     """
     return torch._C._distributed_c10d._get_work_registry_size()
+
+
+@contextlib.contextmanager
+def gloo_worker_threads(threads: int) -> Iterator[None]:
+    """Gloo groups built inside the block run `threads` worker threads (torch's own: 2).
+
+    ``init_process_group`` and ``new_group`` take no gloo options, so inside the
+    block torch's ``ProcessGroupGloo`` is swapped, in this process, for a subclass
+    that passes them. A gloo group with one worker thread runs its collectives one
+    at a time, in the order they were issued, on that thread, while the calling
+    thread goes on: funcoll's eager ops defer their waits on such a group as on
+    NCCL (:func:`funcoll.wait`; ``benchmarks/gloo_inflight_probe.py`` says why
+    not on two; :func:`in_flight` has an example).
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"funcoll.testing.gloo_worker_threads: `threads`={threads!r} must be an int >= 1")
+    base = c10d.ProcessGroupGloo
+
+    class _Gloo(base):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+            options = base._Options()
+            options._timeout = timeout
+            options._threads = threads
+            options._devices = [base.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = _Gloo
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = base
 
 
 def settled(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Eager funcoll ops return before their data arrives; the wait happens at first use.
 
-On gloo that is opt-in (``FUNCOLL_GLOO_DEFER=1``; ``funcoll._async.defers`` says
-why): by default a gloo op waits before it returns, which is checked first. Then
-each rank opts in, and each case calls a public op on 2 and 3 gloo ranks and reads
+On gloo that is opt-in (``FUNCOLL_GLOO_DEFER=1``, or a group built with one
+worker thread; ``funcoll._async.defers`` says why): by default a gloo op waits
+before it returns, which is checked first, then an op on a one-thread gloo group
+defers. Then each rank opts in, and each case calls a public op on 2 and 3 gloo ranks and reads
 c10d's work registry (``funcoll.testing.in_flight()``) right after the call: an op
 whose result reaches the caller unchanged or through views returns with its data collective still
 registered (issued, not waited), so the caller's work until the first read
@@ -24,11 +25,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import in_flight, run_ranks, settled
+from funcoll.testing import gloo_worker_threads, in_flight, run_ranks, settled
 
 WORLDS = (2, 3)
 COLS = 3
@@ -107,6 +109,17 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     # gloo's default: every eager op waits before it returns (funcoll._async.defers).
     y = funcoll.all_gather(_even(world)[rank])
     got["gloo_default"] = {"type": type(y).__name__, "in_flight": in_flight(), "y": y}
+    # A gloo group with one worker thread runs its collectives in order, one at a time: it defers.
+    with gloo_worker_threads(1):
+        one_thread = dist.new_group(list(range(world)))
+    y = funcoll.all_gather(_even(world)[rank], group=one_thread)
+    issued = in_flight()  # before anything reads y
+    got["gloo_one_thread"] = {
+        "type": type(y).__name__,
+        "in_flight": issued,
+        "y": y.clone(),
+        "left": in_flight(),
+    }
     # The rest runs as NCCL does by default: results deferred to their first use.
     os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     for name, (call, _, _) in CASES.items():
@@ -176,6 +189,16 @@ def test_gloo_waits_before_the_op_returns_unless_told(
         assert (g["type"], g["in_flight"]) == ("Tensor", 0), (
             f"rank {rank}: {g['type']}, {g['in_flight']} in flight"
         )
+        torch.testing.assert_close(g["y"], torch.cat(_even(world)))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gloo_group_with_one_worker_thread_defers(
+    results: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    for rank, got in enumerate(results[world]):
+        g = got["gloo_one_thread"]
+        assert (g["type"], g["left"]) == ("Pending", 0) and g["in_flight"] >= 1, (rank, g)
         torch.testing.assert_close(g["y"], torch.cat(_even(world)))
 
 

@@ -5,7 +5,8 @@ result, from ``os._exit`` or a signal (a segfault), is reported as dead, with
 its exit code or signal, even though its peers, left waiting in a collective,
 fail or hang after it. Each case would otherwise end in run_ranks' TimeoutError
 (or hang the suite), so a RankError that names the right rank and cause is the
-test.
+test. ``gloo_worker_threads`` builds the gloo groups made inside its block with
+the threads it is given, and only those.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import funcoll
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import RankError, gloo_worker_threads, run_ranks
 
 TIMEOUT_S = 60.0
 
@@ -110,3 +112,23 @@ def test_count_host_reads_counts_item_and_tolist() -> None:
         int(x[0])
     assert reads.count == 3
     assert (torch.Tensor.item, torch.Tensor.tolist) == saved
+
+
+def _threads_of_groups(rank: int, world: int) -> tuple[int, int]:
+    """The worker threads of a gloo group built inside gloo_worker_threads(1), and of one built after it."""
+    cpu = torch.device("cpu")
+    with gloo_worker_threads(1):
+        inside = dist.new_group(list(range(world)))
+    after = dist.new_group(list(range(world)))
+    return inside._get_backend(cpu).options._threads, after._get_backend(cpu).options._threads
+
+
+def test_gloo_worker_threads_builds_groups_inside_the_block_only() -> None:
+    assert run_ranks(_threads_of_groups, 2) == [(1, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.0, True])
+def test_gloo_worker_threads_refuses_a_count_that_is_not_a_positive_int(threads: object) -> None:
+    with pytest.raises(ValueError, match=r"gloo_worker_threads: `threads`="):
+        with gloo_worker_threads(threads):  # type: ignore[arg-type]
+            pass
