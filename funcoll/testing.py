@@ -292,9 +292,13 @@ def gloo_worker_threads(threads: int) -> Iterator[None]:
     base = c10d.ProcessGroupGloo
 
     class _Gloo(base):  # type: ignore[misc, valid-type]
-        def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        def __init__(
+            self, store: Any, rank: int, size: int, timeout: timedelta = timedelta(minutes=30), **more: Any
+        ) -> None:
             options = base._Options()
             options._timeout = timeout
+            for key, value in more.items():  # what later releases pass too (2.15: enable_reconfigure)
+                setattr(options, key, value)
             options._threads = threads
             options._devices = [base.create_default_device()]
             super().__init__(store, rank, size, options)
