@@ -1,6 +1,7 @@
 """How much of a collective's time a step hides behind independent work: funcol beside funcoll.
 
-Run: ``python benchmarks/bench_overlap.py [--worlds 2 4] [--mib 16] [--rounds 3] [--quick]``
+Run: ``python benchmarks/bench_overlap.py [--worlds 2 4] [--mib 16] [--rounds 3] [--gloo-threads 1]
+[--quick]``
 
 The step issues a collective on `x`, runs work that does not read its result,
 then reads the result (``coll(x).sum() + work(w)``)::
@@ -33,6 +34,13 @@ reorder-compute). Every variant of a (world, form, mode) runs interleaved in one
 process over `rounds` rounds of barrier-fenced calls; a time is the median of
 the slowest rank's per-round medians. The step's ratio is the funcoll step over
 funcol's step of the same collective kind in the same mode.
+
+funcoll's eager ops defer their waits on gloo only on a group with one worker
+thread, or with ``FUNCOLL_GLOO_DEFER=1`` (``funcoll._async.defers`` says why). By
+default the ranks' group has torch's two worker threads and every rank sets the
+variable; ``--gloo-threads 1`` builds the group with one thread
+(``funcoll.testing.gloo_worker_threads``) and leaves the variable unset: what a
+program that defers safely on gloo runs.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ import torch.distributed._functional_collectives as funcol
 from _timing import fenced_median  # benchmarks/, beside this script
 
 import funcoll
-from funcoll.testing import run_ranks
+from funcoll.testing import gloo_worker_threads, run_ranks
 
 ROW = 1024  # float32 elements per row: 4 KiB
 # funcol's public wrappers, by their names on this release (torch 2.13 renamed the two below).
@@ -173,10 +181,12 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 
 
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
-           names: list[str] | None, forms: tuple[str, ...] = FORMS) -> list[dict[str, Any]]:  # fmt: skip
-    # The overlap measured is funcoll's deferred wait: NCCL's default, opt-in on gloo
-    # (funcoll._async.defers says why), as funcol's AsyncCollectiveTensor always is.
-    os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
+           names: list[str] | None, forms: tuple[str, ...] = FORMS, opt_in: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    # The overlap measured is funcoll's deferred wait: NCCL's default, on gloo a group with
+    # one worker thread's or opt-in (funcoll._async.defers says why), as funcol's
+    # AsyncCollectiveTensor always is.
+    if opt_in:
+        os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     # Every variant's step is the same code object with other defaults: one graph each.
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, limit):
@@ -284,16 +294,24 @@ def main() -> None:
         "--ops", nargs="*", default=None, help="funcoll variants (funcol's of their kinds run too)"
     )
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
+    parser.add_argument(
+        "--gloo-threads", type=int, default=None, help="1: the ranks' gloo group runs one worker thread"
+    )
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.worlds, args.mib, args.rounds, args.iters, args.modes = [2], 1.0, 1, 1, ["eager"]
-    print(f"torch {torch.__version__}, gloo on CPU, {args.mib:g} MiB per rank")
+    threads = "torch's 2, FUNCOLL_GLOO_DEFER=1" if args.gloo_threads is None else args.gloo_threads
+    print(f"torch {torch.__version__}, gloo on CPU (worker threads: {threads}), {args.mib:g} MiB per rank")
     print("| world | mode | work | impl | comm ms | hidden | range | step / funcol's | call / comm |")
     print("|---:|---|---|---|---:|---|---:|---:|---:|")
     for world in args.worlds:
-        rows = run_ranks(_bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops, tuple(args.forms),
-                         timeout=3600)[0]  # fmt: skip
+        groups = (
+            contextlib.nullcontext() if args.gloo_threads is None else gloo_worker_threads(args.gloo_threads)
+        )
+        with groups:  # the ranks fork inside it and build their group
+            rows = run_ranks(_bench, world, args.mib, args.rounds, args.iters, args.modes, args.ops,
+                             tuple(args.forms), args.gloo_threads is None, timeout=3600)[0]  # fmt: skip
         for r in rows:
             base = baseline(rows, r)
             lo, hi = r["hidden_range"]
