@@ -182,9 +182,9 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
            names: list[str] | None, forms: tuple[str, ...] = FORMS, opt_in: bool = True) -> list[dict[str, Any]]:  # fmt: skip
-    # The overlap measured is funcoll's deferred wait: NCCL's default, on gloo a group with
-    # one worker thread's or opt-in (funcoll._async.defers says why), as funcol's
-    # AsyncCollectiveTensor always is.
+    # The overlap measured is funcoll's deferred wait, as funcol's AsyncCollectiveTensor
+    # always has it: NCCL's default; on gloo, a one-thread group's, or else opt-in
+    # (funcoll._async.defers says why).
     if opt_in:
         os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     # Every variant's step is the same code object with other defaults: one graph each.

@@ -218,7 +218,7 @@ def _header_rows(header: Tensor, dtype: torch.dtype, row_shape: Sequence[IntLike
     # not its value, so one graph serves every such width and the blocks' sizes stay free
     # of the ceiling division, which costs seconds of symbolic reasoning in each of their views.
     k = 2 if guard_or_false(row >= n) else -(-n // row) + 1
-    return torch.cat([pieces, pieces.new_zeros(k * row - pieces.shape[0])]).view(k, *row_shape)
+    return torch.cat([pieces, pieces.new_zeros(k * row - n)]).view(k, *row_shape)
 
 
 def _move(
