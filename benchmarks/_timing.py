@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +20,38 @@ def _sync() -> None:
     """Wait for the device when the benchmark runs on CUDA (``run.py --device cuda``)."""
     if torch.get_default_device().type == "cuda":
         torch.cuda.synchronize()
+
+
+def reuse_freed_memory() -> bool:
+    """Keep freed host memory in this process for reuse, as a GPU's caching allocator does.
+
+    glibc returns a large freed block (from 128 KiB up, its default threshold,
+    raised as blocks are freed) to the kernel, so the next tensor of that size
+    is fresh pages: the thread that first writes it takes a page fault per 4
+    KiB and the kernel zeroes each page. On this CPU that is most of the time
+    of a copy into a new 16 MiB tensor (a pad, a cut, an all_to_all's repeated
+    input), a cost a CUDA program, whose caching allocator hands back the block
+    it freed, does not pay. Raising glibc's mmap and trim thresholds (``mallopt``)
+    keeps every freed block in the heap, where the next allocation reuses its
+    pages. Returns whether it applied (glibc only); the baseline and funcoll
+    run in the same process, so both get it.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    big = ctypes.c_int(2**30)
+    return bool(libc.mallopt(m_mmap_threshold, big)) and bool(libc.mallopt(m_trim_threshold, big))
+
+
+def _reusing(body: Callable[..., Any], *args: Any) -> Any:
+    reuse_freed_memory()
+    return body(*args)
+
+
+def reusing_memory(body: Callable[..., Any], reuse: bool) -> Callable[..., Any]:
+    """`body`, which first calls :func:`reuse_freed_memory` where `reuse` is set (a rank's body)."""
+    return functools.partial(_reusing, body) if reuse else body
 
 
 def fenced_median(fn: Callable[[], object], iters: int) -> float:

@@ -1,7 +1,7 @@
 """torchtitan's MoE layer with its own dispatcher and with funcoll's, one training step, eager and compiled.
 
 Run: ``python benchmarks/bench_torchtitan.py [--worlds 2 4] [--tokens 256 1024 4096] [--rounds 3]
-[--iters 3] [--experts grouped scale] [--no-compile]``  (needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``
+[--iters 3] [--experts grouped scale] [--no-compile] [--reuse-memory]``  (needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3``
 and ``pip install tyro``)
 
 For each world size it starts that many gloo CPU ranks. Each rank builds torchtitan
@@ -43,6 +43,12 @@ expert form), with the range of those per-round ratios. Host reads per step (``T
 calls, forward and backward; each a device-to-host sync on CUDA) are counted in
 one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
 twice per layer, which the count does not include.
+
+``--reuse-memory`` keeps each rank's freed host memory for reuse
+(``_timing.reuse_freed_memory``), as a GPU's caching allocator does: without it,
+the larger buffers a layout allocates (static mode's capacity rows) first fault
+in fresh pages on every step, a cost of this CPU's allocator, not of the device
+the dispatcher serves.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import fenced_median
+from _timing import fenced_median, reusing_memory
 
 from funcoll import testing
 
@@ -180,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--experts", nargs="+", default=list(EXPERTS), choices=list(EXPERTS))
     parser.add_argument("--no-compile", action="store_true", help="eager methods only")
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="each rank keeps its freed host memory for reuse (_timing.reuse_freed_memory)",
+    )
     args = parser.parse_args(argv)
     print(
         "| experts | world | T | method | step ms | vs titan (range) | host reads | overflows |\n"
@@ -188,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     for experts in args.experts:
         for world in args.worlds:
             rows = testing.run_ranks(
-                _body, world, args.tokens, args.rounds, args.iters, not args.no_compile, experts, timeout=3000
+                reusing_memory(_body, args.reuse_memory),
+                world,
+                args.tokens,
+                args.rounds,
+                args.iters,
+                not args.no_compile,
+                experts,
+                timeout=3000,
             )[0]
             for r in rows:
                 lo, hi = r["ratio_range"]

@@ -1,7 +1,8 @@
 """Every benchmark family in one command: one JSON of results, one plot per family, the ratio tables.
 
 Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked overlap row_kernels]
-[--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--out docs/results] [--quick] [--replot]``
+[--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--reuse-memory] [--out docs/results] [--quick]
+[--replot]``
 
 Families (each one's own script documents its methods):
 
@@ -39,7 +40,11 @@ Families (each one's own script documents its methods):
   its torch ops, float32. On CPU it is skipped, and says so.
 
 The ranks run on ``--backend`` and every tensor of a family is made on
-``--device`` (each rank its own GPU on CUDA); the JSON records both. The JSON
+``--device`` (each rank its own GPU on CUDA); the JSON records both.
+``--reuse-memory`` keeps every rank's freed host memory in the process
+(``_timing.reuse_freed_memory``): a new tensor then reuses pages rather than
+faulting in fresh ones, as a GPU's caching allocator reuses its blocks; the
+JSON records it too. The JSON
 (``results.json``) holds every record, and per family the torch version, machine,
 backend, device and date of the run that made it (a run of some families keeps
 the others' records); the plots (``<family>.png``, matplotlib from the ``bench``
@@ -82,6 +87,7 @@ import bench_ragged_gather
 import bench_row_kernels
 import bench_torchtitan
 import sweep_ragged
+from _timing import reuse_freed_memory
 
 from funcoll.testing import run_ranks
 
@@ -95,13 +101,18 @@ class Setup:
     backend: str = "gloo"
     device: str = "cpu"
     quick: bool = False  # a smoke run: families skip what only costs time (moe's compiled layers)
+    reuse_memory: bool = False  # host memory freed stays in the process (_timing.reuse_freed_memory)
 
     def wrap(self, body: Callable[..., Any]) -> Callable[..., Any]:
         """`body` run with this device as the default (each rank its own GPU on CUDA)."""
-        return functools.partial(_run_on, self.device, body)
+        return functools.partial(_run_on, self.device, self.reuse_memory, body)
 
 
-def _run_on(device: str, body: Callable[..., Any], rank: int, world: int, *args: Any) -> Any:
+def _run_on(
+    device: str, reuse_memory: bool, body: Callable[..., Any], rank: int, world: int, *args: Any
+) -> Any:
+    if reuse_memory:
+        reuse_freed_memory()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.set_default_device(device)
@@ -247,7 +258,8 @@ def _overlap(worlds: list[int], mibs: list[float], iters: int, rounds: int, on: 
                     "family": "overlap", "world": world, "layout": f"{r['mode']}, {r['form']}",
                     "bytes": int(mib * 2**20), "impl": r["impl"], "seconds": r["step_ms"] / 1e3,
                     "ratio": r["step_ms"] / base["step_ms"], "hidden": r["hidden"],
-                    "hidden_range": r["hidden_range"], "call_over_comm": r["call_over_comm"],
+                    "hidden_range": r["hidden_range"], "exposed_seconds": r["exposed_ms"] / 1e3,
+                    "call_over_comm": r["call_over_comm"],
                 })  # fmt: skip
     return records
 
@@ -405,8 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="every rank keeps its freed host memory for reuse, as a GPU's caching allocator does",
+    )
     args = parser.parse_args(argv)
-    on = Setup(args.backend, args.device, args.quick)
+    on = Setup(args.backend, args.device, args.quick, args.reuse_memory)
     worlds = [2] if args.quick else args.worlds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -434,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {png}" if _plot(got, family, png) else "plot: skipped (pip install matplotlib)", "\n")
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "backend": args.backend, "device": args.device, "quick": args.quick,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+            "reuse_memory": args.reuse_memory, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     # The families not run now keep their records (and the meta of the run that made them).

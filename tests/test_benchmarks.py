@@ -27,7 +27,7 @@ FAMILIES = (
 
 def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(RUN), "--quick", "--reuse-memory", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -35,6 +35,7 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert set(data["meta"]) == set(FAMILIES)
     assert all(data["meta"][f]["quick"] is True and data["meta"][f]["torch"] for f in FAMILIES)
     assert all((m["backend"], m["device"]) == ("gloo", "cpu") for m in data["meta"].values())
+    assert all(m["reuse_memory"] is True for m in data["meta"].values())
     for family in FAMILIES:
         mine = [r for r in data["records"] if r["family"] == family]
         assert mine, f"no {family} records"
@@ -66,5 +67,6 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert {r["impl"] for r in overlap} >= {"funcol all_gather", "funcoll.all_gather"}, overlap
     assert {r["layout"] for r in overlap} == {"eager, sleep", "eager, matmul"}
     assert all(math.isfinite(r["hidden"]) and r["seconds"] > 0 for r in overlap), overlap  # quick: no meaning
+    assert all(math.isfinite(r["exposed_seconds"]) for r in overlap), overlap
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
     assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")}
