@@ -1,7 +1,7 @@
 """Every ragged op against the even collective of the same bytes, over payloads, worlds and layouts.
 
 Run: ``python benchmarks/sweep_ragged.py [--worlds 2 4] [--kib 4 64 1024 16384 65536]
-[--layouts equal skew16] [--iters 9] [--rounds 5] [--json sweep.json]``
+[--layouts equal skew16] [--iters 9] [--rounds 5] [--json sweep.json] [--reuse-memory]``
 
 For each world size it starts that many gloo CPU ranks; in one process group, for
 each payload (KiB a rank holds on average, rows of 1024 float32) and layout
@@ -17,6 +17,8 @@ reduce_scatter, ``all_to_all_single`` of the same rows for ``all_to_all_v`` and
 The table shows the median ratio over the rounds and its range; ``--json`` writes
 every record, with each method's median time (``seconds``), its baseline's kind
 (``ag``, ``rs``, ``a2a``: ``BASELINES``) and that baseline's median time.
+``--reuse-memory``: each rank keeps its freed host memory for reuse, as a GPU's
+caching allocator does (``_timing.reuse_freed_memory``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import fenced_median, reusing_memory  # benchmarks/, beside this script
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -128,10 +130,21 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default="", help="write every record to this file")
+    parser.add_argument(
+        "--reuse-memory", action="store_true", help="each rank keeps its freed host memory for reuse"
+    )
     args = parser.parse_args()
     records = []
     for world in args.worlds:
-        records += run_ranks(_sweep, world, args.kib, args.layouts, args.iters, args.rounds, timeout=7200)[0]
+        records += run_ranks(
+            reusing_memory(_sweep, args.reuse_memory),
+            world,
+            args.kib,
+            args.layouts,
+            args.iters,
+            args.rounds,
+            timeout=7200,
+        )[0]
     print(f"torch {torch.__version__}, gloo on CPU; median ratio over {args.rounds} rounds [min-max]")
     methods = list(dict.fromkeys(r["method"] for r in records))
     print("| world | KiB/rank | layout | " + " | ".join(methods) + " |")
