@@ -1,7 +1,7 @@
 """How much of a collective's time a step hides behind independent work: funcol beside funcoll.
 
 Run: ``python benchmarks/bench_overlap.py [--worlds 2 4] [--mib 16] [--rounds 3] [--gloo-threads 1]
-[--reuse-memory] [--quick]``
+[--reuse-memory] [--defer-all] [--quick]``
 
 The step issues a collective on `x`, runs work that does not read its result,
 then reads the result (``coll(x).sum() + work(w)``)::
@@ -39,12 +39,14 @@ process over `rounds` rounds of barrier-fenced calls; a time is the median of
 the slowest rank's per-round medians. The step's ratio is the funcoll step over
 funcol's step of the same collective kind in the same mode.
 
-funcoll's eager ops defer their waits on gloo only on a group with one worker
-thread, or with ``FUNCOLL_GLOO_DEFER=1`` (``funcoll._async.defers`` says why). By
-default the ranks' group has torch's two worker threads and every rank sets the
-variable; ``--gloo-threads 1`` builds the group with one thread
-(``funcoll.testing.gloo_worker_threads``) and leaves the variable unset: what a
-program that defers safely on gloo runs.
+On a gloo group with torch's two worker threads (the ranks' group by default)
+funcoll keeps one collective in flight at a time: a result is waited at its
+first read or before funcoll's next collective (``funcoll._async.defers`` says
+why), so a step's one collective overlaps its work as on NCCL. ``--defer-all``
+sets ``FUNCOLL_GLOO_DEFER=1`` in every rank: collectives then stay in flight
+together, as funcol's. ``--gloo-threads 1`` builds the group with one thread
+(``funcoll.testing.gloo_worker_threads``), which runs its collectives one at a
+time by itself.
 
 ``--reuse-memory`` keeps each rank's freed host memory for reuse
 (``_timing.reuse_freed_memory``). Without it, every copy into a new 16 MiB
@@ -191,11 +193,10 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 
 
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
-           names: list[str] | None, forms: tuple[str, ...] = FORMS, opt_in: bool = True) -> list[dict[str, Any]]:  # fmt: skip
-    # The overlap measured is funcoll's deferred wait, as funcol's AsyncCollectiveTensor
-    # always has it: NCCL's default; on gloo, a one-thread group's, or else opt-in
-    # (funcoll._async.defers says why).
-    if opt_in:
+           names: list[str] | None, forms: tuple[str, ...] = FORMS, defer_all: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    # funcoll's default on gloo keeps one collective in flight at a time; with the
+    # variable set, they stay in flight together (funcoll._async.defers says why).
+    if defer_all:
         os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     # Every variant's step is the same code object with other defaults: one graph each.
     for limit in ("recompile_limit", "cache_size_limit"):
@@ -311,11 +312,15 @@ def main() -> None:
     parser.add_argument(
         "--reuse-memory", action="store_true", help="each rank keeps its freed host memory for reuse"
     )
+    parser.add_argument(
+        "--defer-all", action="store_true", help="FUNCOLL_GLOO_DEFER=1: collectives in flight together"
+    )
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.worlds, args.mib, args.rounds, args.iters, args.modes = [2], 1.0, 1, 1, ["eager"]
-    threads = "torch's 2, FUNCOLL_GLOO_DEFER=1" if args.gloo_threads is None else args.gloo_threads
+    threads = "torch's 2" if args.gloo_threads is None else args.gloo_threads
+    threads = f"{threads}, FUNCOLL_GLOO_DEFER=1" if args.defer_all else threads
     memory = ", freed host memory reused" if args.reuse_memory else ""
     print(
         f"torch {torch.__version__}, gloo on CPU (worker threads: {threads}), {args.mib:g} MiB per rank{memory}"
@@ -330,7 +335,7 @@ def main() -> None:
         )
         with groups:  # the ranks fork inside it and build their group
             rows = run_ranks(reusing_memory(_bench, args.reuse_memory), world, args.mib, args.rounds, args.iters, args.modes, args.ops,
-                             tuple(args.forms), args.gloo_threads is None, timeout=3600)[0]  # fmt: skip
+                             tuple(args.forms), args.defer_all, timeout=3600)[0]  # fmt: skip
         for r in rows:
             base = baseline(rows, r)
             lo, hi = r["hidden_range"]

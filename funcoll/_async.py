@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import _faults
 
-__all__ = ["Pending", "defer", "defers", "wait"]
+__all__ = ["Pending", "defer", "defers", "drain", "wait"]
 
 _wait_tensor = torch.ops._c10d_functional.wait_tensor
 _view = torch.ops.aten.view.default
@@ -41,7 +42,7 @@ _view = torch.ops.aten.view.default
 class _Ticket:
     """One issued collective: its output, whether it was waited, and what to name if it failed."""
 
-    __slots__ = ("collective", "done", "group_name", "op", "output", "step")
+    __slots__ = ("__weakref__", "collective", "done", "group_name", "op", "output", "step")
 
     def __init__(self, output: Tensor, op: str, collective: str, group_name: str, step: str) -> None:
         self.output, self.done = output, False
@@ -156,49 +157,72 @@ def _nests_tensors(arg: Any) -> bool:
     return isinstance(arg, (list, tuple)) and any(isinstance(e, (Tensor, list, tuple, dict)) for e in arg)
 
 
-def defers(output: Tensor, group_name: str) -> bool:
-    """Whether `output`'s collective may stay in flight past the op's return (:func:`defer`).
+# funcoll's collectives in flight on gloo groups of more than one worker thread, in
+# this process: each is waited before the next eager collective is issued (`drain`).
+_serial: weakref.WeakSet[_Ticket] = weakref.WeakSet()
 
-    Not on a gloo group with torch's two worker threads, unless the environment
-    says ``FUNCOLL_GLOO_DEFER=1``: with a gloo collective in flight while the
-    calling thread went on, torch's own functional collectives corrupted the heap.
-    ``all_to_all_single`` left unwaited, then an ``all_gather_into_tensor`` issued
-    and waited, both straight on ``torch.ops._c10d_functional`` (no funcoll code),
-    3 ranks, a few rows each (``benchmarks/gloo_inflight_probe.py``): glibc
-    aborted ("malloc(): unaligned fastbin chunk detected", or a SIGSEGV in a gloo
-    thread) in runs of 3000 steps on every torch funcoll supports (2.11: 1 of 4
-    runs, 2.12: 2 of 4, 2.13: 4 of 8 and 4 of 20, 2.14.1: 1 of 4, 2.15: 1 of 4),
-    and funcoll's deferred results did the same about once in 600 runs of a
-    3-rank test batch (torch 2.12 and 2.13); waiting each collective before the
-    next call, none did in 12000 steps (torch 2.12). With one worker thread
-    (:func:`funcoll.testing.gloo_worker_threads`), which runs the group's
-    collectives one at a time in their order, none did: 0 of 32 probe runs, and
-    0 of 2230 test batches of funcoll's deferred results against 1 of 2620 with
-    two threads (torch 2.13). So on a gloo group with more than one worker
-    thread the eager ops wait before they return: the host's work does not
-    overlap the communication there. A one-thread gloo group, NCCL and every
-    other backend defer, as funcol does.
+
+def drain() -> None:
+    """Wait for the gloo collectives :func:`defers` keeps one at a time, before issuing another.
+
+    Called before every eager issue: cheap when nothing is in flight (one set's
+    length). Waiting names the op whose collective failed, as a read would.
+    """
+    while _serial:
+        _serial.pop().wait()
+
+
+def defers(output: Tensor, group_name: str) -> str | None:
+    """How `output`'s collective stays in flight past the op's return: None (it waits in the op).
+
+    ``"defer"``: at its first read, as funcol's ``AsyncCollectiveTensor``: NCCL,
+    every other backend, a gloo group with one worker thread, and any gloo group
+    when the environment says ``FUNCOLL_GLOO_DEFER=1``.
+
+    ``"serial"``: at its first read or before funcoll's next eager collective,
+    whichever comes first (:func:`drain`): a gloo group with torch's two worker
+    threads. Two gloo collectives in flight at once corrupted the heap; one in
+    flight while the host went on did not. ``all_to_all_single`` left unwaited,
+    then an ``all_gather_into_tensor`` issued and waited, both straight on
+    ``torch.ops._c10d_functional`` (no funcoll code), 3 ranks, a few rows each
+    (``benchmarks/gloo_inflight_probe.py``): glibc aborted ("malloc(): unaligned
+    fastbin chunk detected", or a SIGSEGV in a gloo thread) in runs of 3000 steps
+    on every torch funcoll supports (2.11: 1 of 4 runs, 2.12: 2 of 4, 2.13: 4 of 8
+    and 4 of 20, 2.14.1: 1 of 4, 2.15: 1 of 4), and funcoll's deferred results
+    did the same about once in 600 runs of a 3-rank test batch (torch 2.12 and
+    2.13). With one worker thread (:func:`funcoll.testing.gloo_worker_threads`),
+    which runs the group's collectives one at a time while the host goes on,
+    none did: 0 of 32 probe runs; and none did with the collective left in
+    flight over the host's work and waited before the next one was issued, on
+    two threads (``--serial``; docs/overlap.md has the counts). So on a
+    two-thread group funcoll keeps one collective in flight at a time: the
+    host's work overlaps the communication, successive collectives do not
+    overlap each other.
     """
     # Read per call (a few microseconds): a group name is reused once its group is destroyed.
     pg = torch._C._distributed_c10d._resolve_process_group(group_name)
     try:
         backend = pg._get_backend(output.device)
     except RuntimeError:  # no backend for this device type: the op itself has raised already
-        return pg.name() != "gloo"
+        return None if pg.name() == "gloo" else "defer"
     if backend.name() != "gloo":
-        return True
-    return getattr(getattr(backend, "options", None), "_threads", None) == 1 or (
-        os.environ.get("FUNCOLL_GLOO_DEFER") == "1"
-    )
+        return "defer"
+    if getattr(getattr(backend, "options", None), "_threads", None) == 1:
+        return "defer"
+    return "defer" if os.environ.get("FUNCOLL_GLOO_DEFER") == "1" else "serial"
 
 
-def defer(output: Tensor, collective: str, group_name: str, step: str) -> Tensor:
+def defer(output: Tensor, collective: str, group_name: str, step: str, serial: bool = False) -> Tensor:
     """`output` of a collective just issued, as a :class:`Pending` that waits at first use.
 
     The funcoll op to name if the wait fails is read now, while the op (or the
-    backward of one) is still running.
+    backward of one) is still running. `serial`: also waited before funcoll's
+    next eager collective (:func:`drain`).
     """
-    return Pending(output, _Ticket(output, _faults.current_op(), collective, group_name, step))
+    ticket = _Ticket(output, _faults.current_op(), collective, group_name, step)
+    if serial:
+        _serial.add(ticket)
+    return Pending(output, ticket)
 
 
 def wait(tree: Any) -> Any:
@@ -211,9 +235,11 @@ def wait(tree: Any) -> Any:
     include the communication, or before handing the tensors to code that reads
     memory without torch's dispatch (``data_ptr()``, a custom kernel, numpy). On
     NCCL the current stream waits for the collective's stream and the host does
-    not. On gloo the ops have waited before they returned, unless the group
-    runs one worker thread (``funcoll.testing.gloo_worker_threads``) or
-    ``FUNCOLL_GLOO_DEFER=1`` (:func:`defers`); then the host waits here. A
+    not; on gloo the host waits here. On a gloo group with torch's two worker
+    threads a result is also waited before funcoll's next eager collective is
+    issued, one in flight at a time (:func:`defers`); call ``wait`` before a
+    collective funcoll does not issue (``dist.*``, funcol, DTensor) while a result
+    is unread there. A
     failure of the collective raises here, naming the funcoll op that issued
     it. Anything else in `tree` (a plain tensor, a compiled graph's output,
     which its graph already waited for, a number) is returned as it is; inside

@@ -61,8 +61,10 @@ def _run(
     Eager, the result is a :class:`funcoll._async.Pending` (funcol's
     ``AsyncCollectiveTensor`` design): the call returns once the collective is
     issued, and the wait happens when an op first reads the values, so the
-    caller's work in between overlaps with the communication. Not on gloo, by
-    default: there the op waits before it returns (:func:`funcoll._async.defers`).
+    caller's work in between overlaps with the communication. On a gloo group
+    with two worker threads (torch's default) it is also waited before funcoll's
+    next eager collective is issued, so that one is in flight at a time
+    (:func:`funcoll._async.defers`).
     A backend failure (a peer rank died, raised or stayed away) is re-raised
     naming the funcoll op, the collective and its `step` (:mod:`funcoll._faults`),
     at the issue or at that wait. ``defer=False`` waits at once: the size exchanges, whose values
@@ -84,14 +86,16 @@ def _run(
         if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
             return _faults.wait(out, _faults.traced_op(), collective, group_name, step)
         return _F.wait_tensor(out)
+    _async.drain()  # a gloo collective kept in flight is waited before the next one runs
     try:
         with torch._C._AutoDispatchBelowAutograd():
             out = issue(group_name)
-            if not defer or not _async.defers(out, group_name):  # on gloo: _async.defers
+            how = _async.defers(out, group_name) if defer else None  # on gloo: _async.defers
+            if how is None:
                 return _F.wait_tensor(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e
-    return _async.defer(out, collective, group_name, step)
+    return _async.defer(out, collective, group_name, step, serial=how == "serial")
 
 
 def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:

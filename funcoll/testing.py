@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _group
+from . import _async, _group
 
 __all__ = [
     "HostReads",
@@ -90,6 +90,7 @@ def _worker(
         )
         try:
             out = fn(rank, world, *args)
+            _async.drain()  # no funcoll collective in flight beside the barrier's (on gloo)
             dist.barrier()  # every rank done before any tears its connections down
         finally:
             dist.destroy_process_group()
@@ -256,14 +257,12 @@ def in_flight() -> int:
     eager funcoll result is registered until it is first read (or freed): after
     reading every result of funcoll's ops, eager or compiled, forward or backward,
     and after any error one raised, it is 0. Check it in code built on funcoll the
-    same way (:func:`settled` reads the results first). On gloo the ops wait
-    before they return (0 in flight) unless the group runs one worker thread
-    (:func:`gloo_worker_threads`)::
+    same way (:func:`settled` reads the results first). On a gloo group of two
+    worker threads funcoll's next collective also waits for it, so at most one
+    of funcoll's is in flight there::
 
         def body(rank, world):
-            with gloo_worker_threads(1):
-                group = dist.new_group(list(range(world)))
-            y = funcoll.gather(torch.ones(rank + 1), group=group)
+            y = funcoll.gather(torch.ones(rank + 1))
             issued = in_flight()  # 1: the data is still on its way
             y = y + 1             # the first read waits
             return issued, in_flight()
@@ -282,8 +281,9 @@ def gloo_worker_threads(threads: int) -> Iterator[None]:
     that passes them. A gloo group with one worker thread runs its collectives one
     at a time, in the order they were issued, on that thread, while the calling
     thread goes on: funcoll's eager ops defer their waits on such a group as on
-    NCCL (:func:`funcoll.wait`; ``benchmarks/gloo_inflight_probe.py`` says why
-    not on two; :func:`in_flight` has an example).
+    NCCL (:func:`funcoll.wait`; :func:`in_flight` has an example). On torch's two
+    threads funcoll keeps one collective in flight at a time itself
+    (``benchmarks/gloo_inflight_probe.py`` says why).
     """
     import torch.distributed.distributed_c10d as c10d
 
@@ -351,6 +351,7 @@ def launch(
         dist.init_process_group(backend)
         try:
             fn(dist.get_rank(), dist.get_world_size(), *args)
+            _async.drain()
             dist.barrier()
         finally:
             dist.destroy_process_group()

@@ -1,9 +1,11 @@
 """Eager funcoll ops return before their data arrives; the wait happens at first use.
 
-On gloo that is opt-in (``FUNCOLL_GLOO_DEFER=1``, or a group built with one
-worker thread; ``funcoll._async.defers`` says why): by default a gloo op waits
-before it returns, which is checked first, then an op on a one-thread gloo group
-defers. Then each rank opts in, and each case calls a public op on 2 and 3 gloo ranks and reads
+On a gloo group with torch's two worker threads a result is also waited before
+funcoll's next collective is issued, so that one is in flight at a time
+(``funcoll._async.defers`` says why), which is checked first; an op on a
+one-thread gloo group defers as on NCCL. Then each case calls a public op on 2 and 3 gloo
+ranks, on the default group and again with ``FUNCOLL_GLOO_DEFER=1`` (no waits
+between collectives), and reads
 c10d's work registry (``funcoll.testing.in_flight()``) right after the call: an op
 whose result reaches the caller unchanged or through views returns with its data collective still
 registered (issued, not waited), so the caller's work until the first read
@@ -33,6 +35,7 @@ from funcoll import moe
 from funcoll.testing import gloo_worker_threads, in_flight, run_ranks, settled
 
 WORLDS = (2, 3)
+MODES = (False, True)  # FUNCOLL_GLOO_DEFER unset (one collective in flight at a time), set
 COLS = 3
 
 
@@ -106,9 +109,20 @@ def _moe(rank: int, world: int) -> dict[str, Any]:
 
 def _body(rank: int, world: int) -> dict[str, Any]:
     got: dict[str, Any] = {}
-    # gloo's default: every eager op waits before it returns (funcoll._async.defers).
-    y = funcoll.all_gather(_even(world)[rank])
-    got["gloo_default"] = {"type": type(y).__name__, "in_flight": in_flight(), "y": y}
+    # gloo's default group (two worker threads): an op returns with its collective in
+    # flight, and funcoll's next collective waits for it before it is issued.
+    a = funcoll.all_gather(_even(world)[rank])
+    first = in_flight()
+    b = funcoll.all_gather(_even(world)[rank] * 2)
+    got["gloo_default"] = {
+        "types": [type(a).__name__, type(b).__name__],
+        "first": first,
+        "second": in_flight(),  # b's only: a was waited before b was issued
+        "a_waited": a.ticket.done,
+        "a": a.clone(),
+        "b": b.clone(),
+        "left": in_flight(),
+    }
     # A gloo group with one worker thread runs its collectives in order, one at a time: it defers.
     with gloo_worker_threads(1):
         one_thread = dist.new_group(list(range(world)))
@@ -120,17 +134,19 @@ def _body(rank: int, world: int) -> dict[str, Any]:
         "y": y.clone(),
         "left": in_flight(),
     }
-    # The rest runs as NCCL does by default: results deferred to their first use.
-    os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
-    for name, (call, _, _) in CASES.items():
-        y = call(rank, world)
-        pending = in_flight()  # before anything reads y
-        got[name] = {
-            "pending": pending,
-            "type": type(y).__name__,
-            "y": y.clone(),
-            "left": in_flight(),
-        }  # clone reads y
+    # Every case on the default group, then as NCCL runs it: deferred to the first use only.
+    for defer_env in MODES:
+        if defer_env:
+            os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
+        for name, (call, _, _) in CASES.items():
+            y = call(rank, world)
+            pending = in_flight()  # before anything reads y
+            got[(defer_env, name)] = {
+                "pending": pending,
+                "type": type(y).__name__,
+                "y": y.clone(),
+                "left": in_flight(),
+            }  # clone reads y
     got["moe"] = _moe(rank, world)
 
     # Ops on a pending result: views (with flat arguments, with a tuple out) stay pending
@@ -167,11 +183,14 @@ def results() -> dict[int, list[dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("defer_env", MODES, ids=["gloo default", "FUNCOLL_GLOO_DEFER=1"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_result_arrives_at_first_use(results: dict[int, list[dict[str, Any]]], world: int, name: str) -> None:
+def test_result_arrives_at_first_use(
+    results: dict[int, list[dict[str, Any]]], world: int, defer_env: bool, name: str
+) -> None:
     _, reference, deferred = CASES[name]
     for rank, got in enumerate(results[world]):
-        r = got[name]
+        r = got[(defer_env, name)]
         torch.testing.assert_close(r["y"], reference(rank, world), msg=lambda m, k=rank: f"rank {k}: {m}")
         assert r["left"] == 0, f"rank {rank}: {r['left']} collectives left in flight after the read"
         if deferred:
@@ -181,15 +200,15 @@ def test_result_arrives_at_first_use(results: dict[int, list[dict[str, Any]]], w
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_gloo_waits_before_the_op_returns_unless_told(
+def test_gloo_default_keeps_one_collective_in_flight(
     results: dict[int, list[dict[str, Any]]], world: int
 ) -> None:
     for rank, got in enumerate(results[world]):
         g = got["gloo_default"]
-        assert (g["type"], g["in_flight"]) == ("Tensor", 0), (
-            f"rank {rank}: {g['type']}, {g['in_flight']} in flight"
-        )
-        torch.testing.assert_close(g["y"], torch.cat(_even(world)))
+        assert g["types"] == ["Pending", "Pending"], (rank, g["types"])
+        assert (g["first"], g["second"], g["a_waited"], g["left"]) == (1, 1, True, 0), (rank, g)
+        torch.testing.assert_close(g["a"], torch.cat(_even(world)))
+        torch.testing.assert_close(g["b"], torch.cat(_even(world)) * 2)
 
 
 @pytest.mark.parametrize("world", WORLDS)
