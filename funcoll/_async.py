@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -172,7 +172,7 @@ def drain() -> None:
         _serial.pop().wait()
 
 
-def defers(output: Tensor, group_name: str) -> str | None:
+def defers(output: Tensor, group_name: str) -> Literal["defer", "serial"] | None:
     """How `output`'s collective stays in flight past the op's return: None (it waits in the op).
 
     ``"defer"``: at its first read, as funcol's ``AsyncCollectiveTensor``: NCCL,
