@@ -87,7 +87,7 @@ import bench_ragged_gather
 import bench_row_kernels
 import bench_torchtitan
 import sweep_ragged
-from _timing import reuse_freed_memory
+from _timing import reusing_memory
 
 from funcoll.testing import run_ranks
 
@@ -105,14 +105,10 @@ class Setup:
 
     def wrap(self, body: Callable[..., Any]) -> Callable[..., Any]:
         """`body` run with this device as the default (each rank its own GPU on CUDA)."""
-        return functools.partial(_run_on, self.device, self.reuse_memory, body)
+        return reusing_memory(functools.partial(_run_on, self.device, body), self.reuse_memory)
 
 
-def _run_on(
-    device: str, reuse_memory: bool, body: Callable[..., Any], rank: int, world: int, *args: Any
-) -> Any:
-    if reuse_memory:
-        reuse_freed_memory()
+def _run_on(device: str, body: Callable[..., Any], rank: int, world: int, *args: Any) -> Any:
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.set_default_device(device)
