@@ -673,8 +673,12 @@ def dispatch(
         per_dest = given.view(world, e_local).sum(1)
         # The table is read at once (the need, then the layout): waited here, so that its
         # small ops run on a plain tensor, not each through a pending result's dispatch.
+        # The capacity is filled in on the device: a tensor made from the host int would
+        # be a copy the host waits for on CUDA, a second sync beside the one below.
         table = wait(
-            _even.all_gather(torch.cat([given, given.new_tensor([capacity])]), group=group, tiled=False)
+            _even.all_gather(
+                torch.cat([given, torch.full_like(given[:1], capacity)]), group=group, tiled=False
+            )
         )
         recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
         need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
