@@ -64,15 +64,20 @@ H, F, E = 2048, 1024, 8
 BF16 = torch.bfloat16
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # bench_torchtitan_cuda.py's smoke run times CPU tensors
+        torch.cuda.synchronize()
+
+
 def _time_ms(fn: Callable[[], object], iters: int) -> float:
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 

@@ -75,37 +75,47 @@ EXPERTS = ("grouped", "scale")  # torchtitan's GroupedExperts; a per-feature sca
 class _ScaleExperts(torch.nn.Module):
     """Experts that cost next to nothing: each routed row times a learned ``(D,)`` scale."""
 
-    def __init__(self) -> None:
+    def __init__(self, d: int = D) -> None:
         super().__init__()
-        self.w_D = torch.nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.w_D = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         return x_RD * self.w_D
 
 
-def _layer(world: int, rank: int, dispatcher: Any, mesh: Any, experts: str = "grouped") -> Any:
+def _layer(
+    world: int,
+    rank: int,
+    dispatcher: Any,
+    mesh: Any,
+    experts: str = "grouped",
+    d: int = D,
+    f: int = F,
+    local: int = 4,
+) -> Any:
+    """torchtitan's MoE layer: `local` experts a rank (``world * local`` in all), features `d`, expert hidden `f`."""
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
 
-    e = 4 * world
+    e = local * world
     layer = MoE.Config(
         num_experts=e,
         router=TokenChoiceTopKRouter.Config(
-            num_experts=e, gate=Linear.Config(in_features=D, out_features=e), top_k=K
+            num_experts=e, gate=Linear.Config(in_features=d, out_features=e), top_k=K
         ),
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=4),
+            inner_experts=GroupedExperts.Config(dim=d, hidden_dim=f, num_experts=local),
             token_dispatcher=dispatcher,
         ),
     ).build()
     g = torch.Generator().manual_seed(rank)  # each rank's own experts; the gate the same everywhere
     inner = layer.routed_experts.inner_experts
     with torch.no_grad():
-        layer.router.gate.weight.copy_(torch.randn(e, D, generator=torch.Generator().manual_seed(0)) / D**0.5)
+        layer.router.gate.weight.copy_(torch.randn(e, d, generator=torch.Generator().manual_seed(0)) / d**0.5)
         for p in (inner.w1_EFD, inner.w2_EDF, inner.w3_EFD):
-            p.copy_(torch.randn(p.shape, generator=g) / D**0.5)
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     if experts == "scale":
-        layer.routed_experts.inner_experts = _ScaleExperts()
+        layer.routed_experts.inner_experts = _ScaleExperts(d)
     layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
     return layer
 

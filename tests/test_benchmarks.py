@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 FAMILIES = (
     "gather",
@@ -70,3 +72,35 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert all(math.isfinite(r["exposed_seconds"]) for r in overlap), overlap
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
     assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")}
+
+
+def _table(script: str, *args: str) -> list[list[str]]:
+    """The rows of the markdown table a benchmark script prints, split into cells."""
+    done = subprocess.run(
+        [sys.executable, str(RUN.parent / script), *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| mode")]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if not ln.startswith("| T ")]
+
+
+def test_overlap_cuda_smoke_run() -> None:
+    """bench_overlap_cuda.py --quick: without a GPU, its steps on CPU tensors and a one-rank gloo group."""
+    rows = _table("bench_overlap_cuda.py", "--quick")
+    kinds = ("all_gather", "reduce_scatter", "all_to_all")
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        (m, k, side) for m in ("eager", "inductor+overlap") for k in kinds for side in ("funcol", "funcoll")
+    }, rows
+    for r in rows:  # comm, compute and step are times; quick: no meaning beyond that
+        assert all(float(c) > 0 for c in r[3:6]), r
+        assert r[0] != "eager" or float(r[8]) > 0, r  # the eager call's own time, over its collective's
+
+
+def test_torchtitan_cuda_smoke_run() -> None:
+    """bench_torchtitan_cuda.py --quick: torchtitan's layer with each dispatcher, one rank, host reads counted."""
+    pytest.importorskip("torchtitan")
+    rows = _table("bench_torchtitan_cuda.py", "--quick")
+    reads = {r[2]: int(r[7]) for r in rows}
+    # torchtitan's dispatcher reads its splits twice; exact mode once; static never; dropless once a step
+    assert reads == {"titan": 2, "funcoll exact": 1, "funcoll static": 0, "funcoll dropless": 1}, rows
+    assert all(float(r[3]) > 0 and float(r[9]) < 2e-2 for r in rows), rows  # bf16 against titan's output
