@@ -505,6 +505,58 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
                 assert got["step0"] == (0, case.capacity, need) == got["step1"], where
 
 
+def run_gathered(rank: int, world: int, batch: list[Case]) -> list[dict[str, Any]]:
+    """The cases with bags of rows gathered, masked and summed: the path every device but the CPU takes."""
+    moe._by_gather = lambda t: True  # this rank's process only
+    return [run_case(c, rank) for c in batch]
+
+
+def test_gathered_bags_match_one_process() -> None:
+    """The gathered bags (moe._by_gather, CUDA's path) against the same reference, on 3 ranks.
+
+    On the CPU the bags are one embedding_bag; here the cases of 3 ranks (every mode,
+    drops, empty experts, padding to `align`) run with the path CUDA takes, whose
+    values and gradients must equal the single-process reference as the CPU path's do.
+    """
+    world = 3
+    per_rank = run_ranks(run_gathered, world, CASES[world], timeout=TIMEOUT)
+    for i, case in enumerate(CASES[world]):
+        ref = reference(case)
+        for r in range(world):
+            got, where = per_rank[r][i], f"{case.id} rank {r}, bags gathered"
+            torch.testing.assert_close(
+                got["recv"], ref["recv"][r], rtol=0, atol=0, msg=lambda m, w=where: f"{w}: {m}"
+            )
+            for key, want in (("out", ref["out"][r]), ("dx", ref["dx"][r]), ("dw", ref["dw"][r])):
+                torch.testing.assert_close(got[key], want, msg=lambda m, w=where, key=key: f"{w} {key}: {m}")
+            mine = slice(r * case.e_local, (r + 1) * case.e_local)
+            torch.testing.assert_close(got["dW"], ref["dW"][mine], msg=lambda m, w=where: f"{w} W.grad: {m}")
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["embedding_bag", "gathered"])
+def test_bag_helpers(monkeypatch: pytest.MonkeyPatch, gathered: bool) -> None:
+    """moe._sum_bags and moe._take_valid, both paths, against row-by-row sums (skips, invalid rows, no rows)."""
+    monkeypatch.setattr(moe, "_by_gather", lambda t: gathered)
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(7, 3, dtype=torch.float64, generator=g)
+    bags = torch.randint(0, 7, (5, 2), generator=g)
+    bags[1, 0] = bags[3, 1] = 6  # the skip
+    want = torch.stack(
+        [sum((t[j] for j in row.tolist() if j != 6), torch.zeros(3, dtype=t.dtype)) for row in bags]
+    )
+    torch.testing.assert_close(moe._sum_bags(t, bags, 6), want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(moe._sum_bags(t, bags, None), t[bags].sum(1), rtol=0, atol=1e-15)
+    index = torch.tensor([3, 0, 6, 0, 2])
+    valid = torch.tensor([True, False, True, False, True])
+    want = torch.where(valid[:, None], t[index], 0)
+    assert torch.equal(moe._take_valid(t, index, valid), want)
+    if gathered:  # no valid entry: t may then have no rows (embedding_bag's path needs one)
+        nothing = torch.zeros(3, dtype=torch.bool)
+        assert torch.equal(
+            moe._take_valid(t[:0], torch.zeros(3, dtype=torch.int64), nothing), t.new_zeros(3, 3)
+        )
+
+
 def test_some_static_case_drops() -> None:
     """The capacities above are small enough that the static cases do drop pairs (the drop path runs)."""
     assert any(sum(reference(c)["dropped"]) > 0 for c in CASES[2] if c.capacity)
