@@ -1,11 +1,13 @@
-"""The timer the multi-rank benchmarks share."""
+"""The timer the multi-rank benchmarks share, and the one-rank group of the one-GPU ones."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,3 +75,18 @@ def fenced_median(fn: Callable[[], object], iters: int) -> float:
         dist.barrier()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def init_one_rank_group() -> str:
+    """This process as a one-rank group: NCCL on ``cuda:0`` where there is a GPU, else gloo; says which.
+
+    What one GPU allows (NCCL refuses two ranks on one device); without a GPU the
+    one-GPU benchmarks' smoke runs take CPU tensors over gloo.
+    """
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        return f"{torch.cuda.get_device_name()}, one-rank NCCL group"
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return "no GPU: CPU, one-rank gloo group"

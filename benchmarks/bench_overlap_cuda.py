@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from bench_overlap import _AG, _RS, MODES  # benchmarks/, beside this script
+from _timing import init_one_rank_group  # benchmarks/, beside this script
+from bench_overlap import _AG, _RS, MODES
 
 import funcoll
 from funcoll import _prims
@@ -204,16 +203,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.mib, args.rounds, args.iters, args.modes = 4.0, 1, 2, ["eager", "inductor+overlap"]
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    if CUDA:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if CUDA else "gloo", store=store, rank=0, world_size=1)
+    where = init_one_rank_group()
     try:
-        where = (
-            f"{torch.cuda.get_device_name()}, one-rank NCCL group"
-            if CUDA
-            else "no GPU: CPU, one-rank gloo group"
-        )
         print(
             f"torch {torch.__version__}, {where}, "
             f"{args.mib:g} MiB float32 payload, work: bf16 {SIDE}-square matmuls"

@@ -120,6 +120,24 @@ def _layer(
     return layer
 
 
+def dispatchers(e: int) -> dict[str, Any]:
+    """The dispatchers compared, by name, for a layer of `e` experts: torchtitan's, then funcoll's modes."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from funcoll.integrations.torchtitan import FuncollTokenDispatcher
+
+    return {
+        "titan": AllToAllTokenDispatcher.Config(num_experts=e, top_k=K),
+        "funcoll exact": FuncollTokenDispatcher.Config(num_experts=e, top_k=K, mode="exact"),
+        "funcoll static": FuncollTokenDispatcher.Config(
+            num_experts=e, top_k=K, mode="static", capacity_factor=1.25
+        ),
+        "funcoll dropless": FuncollTokenDispatcher.Config(
+            num_experts=e, top_k=K, mode="dropless", capacity_factor=1.25
+        ),
+    }
+
+
 def _step(fn: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
     layer.zero_grad(set_to_none=True)
     out = fn(x)
@@ -137,23 +155,10 @@ def _body(
     experts: str = "grouped",
 ) -> list[dict]:
     from torchtitan.distributed.utils import set_spmd_backend
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    from funcoll.integrations.torchtitan import FuncollTokenDispatcher
 
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    e = 4 * world
-    configs = {
-        "titan": AllToAllTokenDispatcher.Config(num_experts=e, top_k=K),
-        "funcoll exact": FuncollTokenDispatcher.Config(num_experts=e, top_k=K, mode="exact"),
-        "funcoll static": FuncollTokenDispatcher.Config(
-            num_experts=e, top_k=K, mode="static", capacity_factor=1.25
-        ),
-        "funcoll dropless": FuncollTokenDispatcher.Config(
-            num_experts=e, top_k=K, mode="dropless", capacity_factor=1.25
-        ),
-    }
+    configs = dispatchers(4 * world)
     rows = []
     for t in tokens:
         x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10 + rank))

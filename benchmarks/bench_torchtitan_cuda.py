@@ -47,10 +47,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +57,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import init_one_rank_group
 from bench_moe_cuda import _time_ms, cuda_syncs
-from bench_torchtitan import K, _layer, _step
+from bench_torchtitan import K, _layer, _step, dispatchers
 
 from funcoll import testing
 
@@ -72,21 +71,8 @@ BF16 = torch.bfloat16
 
 
 def _methods(experts: str, compile_: bool) -> dict[str, tuple[Any, Any]]:
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    from funcoll.integrations.torchtitan import FuncollTokenDispatcher
-
     mesh = init_device_mesh(DEVICE, (1,), mesh_dim_names=("ep",))
-    configs = {
-        "titan": AllToAllTokenDispatcher.Config(num_experts=LOCAL, top_k=K),
-        "funcoll exact": FuncollTokenDispatcher.Config(num_experts=LOCAL, top_k=K, mode="exact"),
-        "funcoll static": FuncollTokenDispatcher.Config(
-            num_experts=LOCAL, top_k=K, mode="static", capacity_factor=1.25
-        ),
-        "funcoll dropless": FuncollTokenDispatcher.Config(
-            num_experts=LOCAL, top_k=K, mode="dropless", capacity_factor=1.25
-        ),
-    }
+    configs = dispatchers(LOCAL)
 
     def build(cfg: Any) -> Any:
         layer = _layer(1, 0, cfg, mesh, experts, d=D, f=F, local=LOCAL).to(DEVICE)
@@ -163,16 +149,8 @@ def main() -> None:
     from torchtitan.distributed.utils import set_spmd_backend
 
     set_spmd_backend("partial_dtensor")
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    if CUDA:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if CUDA else "gloo", store=store, rank=0, world_size=1)
+    where = init_one_rank_group()
     try:
-        where = (
-            f"{torch.cuda.get_device_name()}, one-rank NCCL group"
-            if CUDA
-            else "no GPU: CPU, one-rank gloo group"
-        )
         print(
             f"torch {torch.__version__}, {where}; torchtitan's MoE, "
             f"D={D}, F={F}, E={LOCAL}, k={K}, bf16; a step: forward and backward of the output's sum"
