@@ -107,14 +107,17 @@ def _collectives(group: dist.ProcessGroup) -> dict[str, dict[str, Callable[[torc
 
 
 def _side_copy(
-    x: torch.Tensor, work: Callable[[torch.Tensor], torch.Tensor] | None, w: torch.Tensor
+    side: torch.cuda.Stream,
+    x: torch.Tensor,
+    work: Callable[[torch.Tensor], torch.Tensor] | None,
+    w: torch.Tensor,
 ) -> torch.Tensor:
     """The step with a plain device copy of `x` on a side stream in place of the collective.
 
     What the device itself overlaps of a copy and the work, with no collective
     library involved: the bound the rows above can reach on one GPU.
     """
-    side, current = _SIDE[0], torch.cuda.current_stream()
+    current = torch.cuda.current_stream()
     side.wait_stream(current)
     with torch.cuda.stream(side):
         y = x.clone()
@@ -122,9 +125,6 @@ def _side_copy(
     current.wait_stream(side)  # the read's wait, after the work is queued
     y.record_stream(current)
     return y.sum() + z
-
-
-_SIDE: list[torch.cuda.Stream] = []
 
 
 def _work(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -157,9 +157,9 @@ def _bench(mib: float, rounds: int, iters: int, modes: list[str]) -> list[dict[s
                 fns.update({f"{v} step": f for v, f in steps.items()})
                 side = CUDA and mode == "eager"  # the device's own bound, eager only
                 if side:
-                    _SIDE[:] = _SIDE or [torch.cuda.Stream()]
-                    fns["copy comm"] = lambda: _side_copy(x, None, w)
-                    fns["copy step"] = lambda work=work: _side_copy(x, work, w)
+                    stream = torch.cuda.Stream()
+                    fns["copy comm"] = lambda s=stream: _side_copy(s, x, None, w)
+                    fns["copy step"] = lambda s=stream, work=work: _side_copy(s, x, work, w)
                 if backend is not None:
                     fns = {
                         k: torch.compile(lambda f=f: f(), fullgraph=True, backend=backend)
