@@ -1,4 +1,4 @@
-"""The timer the multi-rank benchmarks share, and the one-rank group of the one-GPU ones."""
+"""The timers the benchmarks share (multi-rank and one-GPU), and the one-GPU ones' one-rank group."""
 
 from __future__ import annotations
 
@@ -75,6 +75,31 @@ def fenced_median(fn: Callable[[], object], iters: int) -> float:
         dist.barrier()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def sync_gpu() -> None:
+    """Wait for the GPU where there is one (the one-GPU benchmarks; their smoke runs take CPU tensors)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_median_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median milliseconds of `iters` calls of `fn` after two warm-ups, each timed from the host to :func:`sync_gpu`.
+
+    A host sync inside the call stalls the host there, and is part of its time. A
+    result whose collective is still in flight is waited for inside the timed
+    call (``funcoll.wait``).
+    """
+    for _ in range(2):
+        funcoll.wait(fn())
+    sync_gpu()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        funcoll.wait(fn())
+        sync_gpu()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def init_one_rank_group() -> str:

@@ -47,39 +47,20 @@ import argparse
 import functools
 import math
 import os
-import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _timing import gpu_median_ms  # benchmarks/, beside this script
 from bench_moe import CAPACITY_FACTOR, K, funcoll_layer, titan_layer  # benchmarks/, beside this script
 
 from funcoll import moe, testing
 
 H, F, E = 2048, 1024, 8
 BF16 = torch.bfloat16
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():  # bench_torchtitan_cuda.py's smoke run times CPU tensors
-        torch.cuda.synchronize()
-
-
-def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(2):
-        fn()
-    _sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def cuda_syncs(fn: Callable[[], object]) -> int:
@@ -127,7 +108,7 @@ def _bench(t: int, iters: int, compiled: bool) -> list[dict[str, Any]]:
     capacity = math.ceil(CAPACITY_FACTOR * t * K)
     rows = []
     src, dst = x.detach().new_ones(t * K, H), x.detach().new_empty(t * K, H)  # the routed rows
-    copy_ms = _time_ms(lambda: [dst.copy_(src) for _ in range(4)], iters)
+    copy_ms = gpu_median_ms(lambda: [dst.copy_(src) for _ in range(4)], iters)
     for form in ("identity", "grouped_mm"):
         ex_t = experts.titan if form == "grouped_mm" else None
         ex_f = experts.funcoll if form == "grouped_mm" else None
@@ -160,7 +141,7 @@ def _bench(t: int, iters: int, compiled: bool) -> list[dict[str, Any]]:
                 with testing.count_host_reads() as reads:
                     run()
                 row["host_reads"] = reads.count
-                row["ms"] = _time_ms(run, iters)
+                row["ms"] = gpu_median_ms(run, iters)
             except Exception as e:  # noqa: BLE001 -- a method that fails here is reported, the others go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)

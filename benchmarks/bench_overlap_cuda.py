@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _timing import init_one_rank_group  # benchmarks/, beside this script
+from _timing import gpu_median_ms, init_one_rank_group, sync_gpu  # benchmarks/, beside this script
 from bench_overlap import _AG, _RS, MODES
 
 import funcoll
@@ -57,34 +57,16 @@ BF16 = torch.bfloat16
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def _seconds(fn: Callable[[], object], iters: int) -> float:
-    """Median host seconds of `iters` calls, each between two device synchronizations."""
-    funcoll.wait(fn())
-    times = []
-    for _ in range(iters):
-        _sync()
-        t0 = time.perf_counter()
-        funcoll.wait(fn())
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _call_seconds(coll: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, iters: int) -> float:
     """Median host seconds until an eager call returns (its data may still be in flight)."""
     times = []
     for _ in range(iters):
-        _sync()
+        sync_gpu()
         t0 = time.perf_counter()
         y = coll(x)
         times.append(time.perf_counter() - t0)
         funcoll.wait(y)
-        _sync()
+        sync_gpu()
     return statistics.median(times)
 
 
@@ -140,10 +122,10 @@ def _bench(mib: float, rounds: int, iters: int, modes: list[str]) -> list[dict[s
     group = dist.group.WORLD
     x = torch.randn(int(mib * 2**20) // (4 * 1024), 1024, device=DEVICE)
     w = torch.randn(SIDE, SIDE, device=DEVICE, dtype=BF16) / SIDE**0.5  # stays of order 1 when chained
-    one_mm = _seconds(lambda: w @ w, iters)
+    one_mm = gpu_median_ms(lambda: w @ w, iters) / 1e3
     rows = []
     for kind, variants in _collectives(group).items():
-        comm0 = _seconds(lambda c=variants["funcol"]: c(x).sum(), iters)
+        comm0 = gpu_median_ms(lambda c=variants["funcol"]: c(x).sum(), iters) / 1e3
         work = _work(max(1, round(comm0 / one_mm)))  # about the collective's time, the same for both
         for mode in modes:
             backend, ctx = MODES[mode]
@@ -168,7 +150,7 @@ def _bench(mib: float, rounds: int, iters: int, modes: list[str]) -> list[dict[s
                 times: dict[str, list[float]] = {k: [] for k in fns}
                 for _ in range(rounds):
                     for k, f in fns.items():
-                        times[k].append(_seconds(f, iters))
+                        times[k].append(gpu_median_ms(f, iters) / 1e3)
             t = {k: statistics.median(v) for k, v in times.items()}
             for v, coll in variants.items():
                 comm, step = t[f"{v} comm"], t[f"{v} step"]

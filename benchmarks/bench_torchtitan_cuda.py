@@ -57,8 +57,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import init_one_rank_group
-from bench_moe_cuda import _time_ms, cuda_syncs
+from _timing import gpu_median_ms, init_one_rank_group
+from bench_moe_cuda import cuda_syncs
 from bench_torchtitan import K, _layer, _step, dispatchers
 
 from funcoll import testing
@@ -76,9 +76,8 @@ def _methods(experts: str, compile_: bool) -> dict[str, tuple[Any, Any]]:
 
     def build(cfg: Any) -> Any:
         layer = _layer(1, 0, cfg, mesh, experts, d=D, f=F, local=LOCAL).to(DEVICE)
-        for p in (
-            layer.parameters()
-        ):  # parameters in bf16, as FSDP's mixed precision computes; buffers as they are
+        # parameters in bf16, as FSDP's mixed precision computes; buffers as they are
+        for p in layer.parameters():
             p.data = p.data.to(BF16)
         return layer
 
@@ -99,7 +98,7 @@ def _bench(t: int, experts: str, rounds: int, iters: int, compile_: bool) -> lis
     x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, BF16)
     methods = _methods(experts, compile_)
     src, dst = x.new_ones(t * K, D), x.new_empty(t * K, D)  # the routed rows
-    copy_ms = _time_ms(lambda: [dst.copy_(src) for _ in range(4)], iters)
+    copy_ms = gpu_median_ms(lambda: [dst.copy_(src) for _ in range(4)], iters)
     try:
         ref = _step(*methods["titan"], x).detach().float()
     except Exception as e:  # noqa: BLE001 -- reported in every row; funcoll's steps still run
@@ -122,7 +121,7 @@ def _bench(t: int, experts: str, rounds: int, iters: int, compile_: bool) -> lis
     for _ in range(rounds):
         for name, (fn, layer) in methods.items():
             if "error" not in rows[name]:
-                rows[name]["ms"].append(_time_ms(functools.partial(_step, fn, layer, x), iters))
+                rows[name]["ms"].append(gpu_median_ms(functools.partial(_step, fn, layer, x), iters))
     for name, row in rows.items():
         if "error" not in row:
             row["ms"] = statistics.median(row["ms"])
