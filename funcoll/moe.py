@@ -510,7 +510,7 @@ def _sum_bags(t: Tensor, bags: Tensor, skip: int | None) -> Tensor:
 
 
 def _take_valid(t: Tensor, index: Tensor, valid: Tensor) -> Tensor:
-    """``out[i] = t[index[i]]`` where ``valid[i]``, zero elsewhere (an invalid `index` entry is 0).
+    """``out[i] = t[index[i]]`` where ``valid[i]``, zero elsewhere (whatever an invalid `index` entry holds).
 
     `t` has a row wherever some entry is valid (embedding_bag's path: at least one row).
     """
