@@ -109,10 +109,10 @@ class MoEHandle:
         back_index: per row combine sends back, the row of ``y`` it carries.
         row_of: per (token, choice) pair, token-major, the returned row holding its
             output (dropped: row `capacity`, the spare row of block 0, which combine skips).
-        send_pairs: per row sent, in order, the (token, choice) pair it carries
-            (static mode: the kept pairs, then the dropped ones, which no row carries).
-        send_offsets: static mode: where each sent row's pairs start in `send_pairs`
-            (one pair or none each); None in exact mode, where row i carries ``send_pairs[i]``.
+        send_pairs: per row sent, the (token, choice) pair ``t * k + j`` it carries
+            (static mode: ``T * k`` for a slot that carries none).
+        send_data: static mode: bool, per row sent, whether it carries a pair; None
+            in exact mode, where every row does.
         send_sizes: exact mode: rows sent to each rank, host ints.
         recv_sizes: exact mode: rows received from each rank, host ints.
         recv_counts: static mode: int64 ``(world,)`` rows received from each rank, on the device.
@@ -141,7 +141,7 @@ class MoEHandle:
     back_index: Tensor
     row_of: Tensor
     send_pairs: Tensor
-    send_offsets: Tensor | None = None
+    send_data: Tensor | None = None
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
     recv_counts: Tensor | None = None
@@ -432,18 +432,19 @@ def _take(t: Tensor, index: Tensor, spare: bool) -> Tensor:
 class _Gather(torch.autograd.Function):
     """A row gather of dispatch or combine whose backward is a gather too, not a scatter into zeros.
 
-    Forward: ``_take(t, index, spare)``, or with `offsets` the bags of
-    ``embedding_bag(index, t, offsets)`` (sum; an empty bag is a zero row), its
-    first `rows` rows. Every row a move reads is read by at most `k` output rows
-    and, where the move is a partial permutation (each data row of `t` read once),
-    autograd's adjoint, a zero fill of ``t``'s size and a scatter-add, is a gather
-    through the inverse map. The backward is that gather, one pass that writes each
-    gradient row once:
+    Forward: ``_take(t, index, spare)``. Every row a move reads is read by at most
+    `k` output rows and, where the move is a partial permutation (each data row of
+    `t` read once), autograd's adjoint, a zero fill of ``t``'s size and a
+    scatter-add, is a gather through the inverse map. The backward is that gather,
+    one pass that writes each gradient row once:
 
     - `back` ``(len(t), k)`` with `skip`: row i's gradient is the sum of the
       gradient rows ``back[i]`` other than `skip` (a token's k copies, dropped
       pairs skipped);
-    - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row ``back[i]``;
+    - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row
+      ``back[i]``. Where no output row reads row i (static mode's empty slots), that
+      is not the adjoint's zero: the caller passes it only where nothing reads those
+      rows' gradient (each sender gathers its gradient from its data slots alone);
     - `back` ``(len(t),)`` with `valid`: the same where ``valid[i]``, zero elsewhere.
 
     The caller guarantees the inverse: every output row that reads a data row of
@@ -460,8 +461,6 @@ class _Gather(torch.autograd.Function):
         t: Tensor,
         index: Tensor,
         spare: bool,
-        offsets: Tensor | None,
-        rows: IntLike | None,
         back: Tensor,
         valid: Tensor | None,
         skip: int | None,
@@ -469,9 +468,7 @@ class _Gather(torch.autograd.Function):
         ctx.skip = skip
         ctx.has_valid = valid is not None
         ctx.save_for_backward(back, valid if valid is not None else back)
-        if offsets is None:
-            return _take(t, index, spare)
-        return torch.nn.functional.embedding_bag(index, t, offsets, mode="sum")[:rows]
+        return _take(t, index, spare)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -482,7 +479,7 @@ class _Gather(torch.autograd.Function):
             out = grad.index_select(0, back)
         else:
             out = _take_valid(grad, back, valid)
-        return out, None, None, None, None, None, None, None
+        return out, None, None, None, None, None
 
 
 # Bags of rows, summed. On the CPU one embedding_bag, 2-4x faster than a gather, a
@@ -541,41 +538,80 @@ def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Gr
     return _prims.all_to_all_p(rows, recv, send, g.name)
 
 
-def _expert_layout(
-    recv_counts: Tensor,
-    n_in: int | torch.SymInt,
-    rows: int | torch.SymInt,
-    align: int,
-    none: int | torch.SymInt,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Where each received row goes in the expert-major layout: (recv_source, dest, counts, offsets, ends).
+def _expert_blocks(recv_counts: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each local expert's row count, where its block starts, where it ends (int32, a grouped GEMM's offs).
 
     `recv_counts` ``(world, E_local)``: rows received from each source for each local
-    expert. The `n_in` received rows arrive source-major, then by local expert, so
-    row i is in block ``b = source * E_local + e``. Its place in the layout is
-    ``offsets[e] + (rows from earlier sources for e) + (its index in its block)``.
-    Returns, for each of the `rows` layout rows, the received row it holds
-    (`none` if none: the index of a zero row), for each received row its layout
-    row (`rows` for a padding row), each expert's count, its block's start and
-    its block's end (int32, a grouped GEMM's offs).
+    expert. Each block is the expert's rows rounded up to a multiple of `align`.
+    """
+    counts = recv_counts.sum(0)
+    padded = counts if align == 1 else (counts + (align - 1)) // align * align
+    ends = torch.cumsum(padded, 0)
+    return counts, ends - padded, ends.to(torch.int32)
+
+
+def _run_starts(recv_counts: Tensor, offsets: Tensor, run_ends: Tensor) -> Tensor:
+    """``(world, E_local)``: the layout row of run (s, e)'s first row, less where the run starts on the wire.
+
+    Run (s, e), source s's rows for local expert e, goes to its expert's block
+    (`offsets`) after the rows for e from earlier sources; on the wire it starts
+    where the runs before it in its source's rows end (`run_ends`, a cumulative sum
+    over them, minus its own length). A row's layout row is this plus its place
+    on the wire.
+    """
+    return offsets + _exclusive(recv_counts, 0) - (run_ends - recv_counts)
+
+
+def _expert_layout(
+    recv_counts: Tensor, n_in: int | torch.SymInt, rows: int | torch.SymInt, align: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Exact mode's expert-major layout of the received rows: (recv_source, dest, counts, offsets, ends).
+
+    `recv_counts` ``(world, E_local)``: rows received from each source for each local
+    expert. The `n_in` received rows arrive source-major, then by local expert:
+    row i is in run ``b = source * E_local + e``, and goes to
+    ``offsets[e] + (rows from earlier sources for e) + (its place in its run)``.
+    Returns, for each of the `rows` layout rows, the received row it holds (`n_in`
+    for a padding row to `align`: a zero row after the received rows), for each
+    received row its layout row, and :func:`_expert_blocks`.
+    """
+    counts, offsets, ends = _expert_blocks(recv_counts, align)
+    flat = recv_counts.reshape(-1)
+    run_ends = torch.cumsum(flat, 0)
+    i = torch.arange(n_in, device=recv_counts.device)
+    run = torch.searchsorted(run_ends, i, right=True)  # every received row is data: in a run
+    start = _run_starts(recv_counts, offsets, run_ends.view(recv_counts.shape)).reshape(-1)
+    dest = start[run] + i
+    source = torch.full((rows,), n_in, dtype=torch.int64, device=i.device).scatter_(0, dest, i)
+    return source, dest, counts, offsets, ends
+
+
+def _block_layout(
+    recv_counts: Tensor, block: int, rows: int, align: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Static mode's expert-major layout of the received blocks: (recv_source, dest, data, counts, offsets, ends).
+
+    Block s holds source s's rows for local expert 0, then expert 1, ..., then zero
+    rows, `block` rows in all (its last always zero). Computed over the
+    ``(world, block)`` grid of block rows: row i of block s is in run
+    ``searchsorted(cumsum(recv_counts[s]), i)`` (``E_local``: past the data). Returns,
+    for each of the `rows` layout rows, the block row it holds (``world * block - 1``,
+    the last block's zero row, if none), for each block row its layout row (`rows`
+    if it holds no data) and whether it holds data, and :func:`_expert_blocks`.
     """
     world, e_local = recv_counts.shape
     device = recv_counts.device
-    counts = recv_counts.sum(0)
-    padded = (counts + (align - 1)) // align * align
-    offsets = _exclusive(padded)
-    flat = recv_counts.reshape(-1)
-    ends = torch.cumsum(flat, 0)
-    i = torch.arange(n_in, device=device)
-    block = torch.searchsorted(ends, i, right=True)  # world * E_local past the data: padding
-    valid = block < world * e_local
-    block = block.clamp(max=world * e_local - 1)
-    e = block % e_local
-    before = _exclusive(recv_counts, 0).reshape(-1)  # rows for the same expert from earlier sources
-    dest = offsets[e] + before[block] + (i - (ends[block] - flat[block]))
-    dest = torch.where(valid, dest, rows)  # padding rows land on the spare row
-    source = torch.full((rows + 1,), none, dtype=torch.int64, device=device).scatter_(0, dest, i)[:rows]
-    return source, dest, counts, offsets, torch.cumsum(padded, 0, dtype=torch.int32)
+    counts, offsets, ends = _expert_blocks(recv_counts, align)
+    run_ends = torch.cumsum(recv_counts, 1)
+    i = torch.arange(block, device=device).repeat(world, 1)
+    run = torch.searchsorted(run_ends, i, right=True)
+    data = run < e_local
+    start = _run_starts(recv_counts, offsets, run_ends).gather(1, run.clamp(max=e_local - 1))
+    dest = torch.where(data, start + i, rows).view(-1)
+    n_in = world * block
+    source = torch.full((rows + 1,), n_in - 1, dtype=torch.int64, device=device)
+    source = source.scatter_(0, dest, torch.arange(n_in, device=device))[:rows]
+    return source, dest, data.view(-1), counts, offsets, ends
 
 
 def _exact_sizes(per_dest: Tensor, recv_counts: Tensor, align: int) -> Tensor:
@@ -734,43 +770,33 @@ def dispatch(
         cap = n_pairs if capacity is None else capacity
         # pairs bound to each rank, before the capacity
         wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
-        by_dest = torch.sort(dest, stable=True).indices  # token-major within each destination
+        by_dest = torch.sort(dest, stable=True)  # token-major within each destination
         position = torch.empty_like(pairs).scatter_(
-            0, by_dest, pairs - _exclusive(wanted)[dest[by_dest]]
+            0, by_dest.indices, pairs - _exclusive(wanted)[by_dest.values]
         )  # the pair's place among this rank's pairs for its destination
         keep = position < cap
         # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
         # then zero rows; on the wire each block has one row more than `cap`, never
         # data, so the last row of every received block is a zero row that empty
-        # layout rows read.
+        # layout rows read. In `order` the kept pairs come first, by expert (so by
+        # destination): slot i of block d holds pair order[first[d] + i] if i < sent[d].
         block = cap + 1
-        order = torch.sort(torch.where(keep, expert, num_experts), stable=True).indices  # kept first
-        packed = _inverse(order)  # a kept pair's place among the kept pairs, by expert
-        sent = _count(dest, world, keep.to(torch.int64))
-        slot = dest * block + packed - _exclusive(sent)[dest]  # a kept pair's row in its block
-        slot = torch.where(keep, slot, world * block)
+        order = torch.sort(torch.where(keep, expert, num_experts), stable=True).indices
+        sent = wanted.clamp(max=cap)
+        first = _exclusive(sent)
+        i = torch.arange(block, device=device)
+        occupied = (i < sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds a pair
+        at = torch.where(occupied, (first.unsqueeze(1) + i).view(-1), n_pairs)
+        pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(0, at)  # T * k: none
         # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
         # row of block 0, which combine skips (no kept pair's slot is a spare row).
-        row_of = torch.where(keep, slot, cap)
-        pair_of_slot = torch.full((world * block + 1,), n_pairs, dtype=torch.int64, device=device)
-        pair_of_slot = pair_of_slot.scatter_(0, slot, pairs)[: world * block]
-        send_index = torch.where(pair_of_slot < n_pairs, pair_of_slot // k, tokens)
-        # The send buffer: one bag per slot, holding its kept pair's token or nothing (a
-        # zero row), and a last bag of the dropped pairs, cut off. The kept pairs, by
-        # expert (`order`), are in slot order. One pass: no copy of x with a zero row
-        # (which dtypes embedding_bag does not take still make). Combine's backward
-        # weights the gradient rows through the same bags.
-        occupied = torch.zeros(world * block + 1, dtype=torch.int64, device=device)
-        send_offsets = _exclusive(occupied.scatter_(0, slot, torch.ones_like(slot)))
+        row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
+        row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
+        send_index = pair_of_slot // k  # an empty slot: T, the zero row after x's rows
         # Its backward sums each token's kept slots (one bag of k, dropped pairs
-        # skipped): a gather, not a scatter into zeros. Where bags are gathered
-        # (`_by_gather`), the slots gather their tokens from x with a zero row after it.
-        if x.dtype.is_floating_point and not _by_gather(x):
-            send_rows = _Gather.apply(
-                x, order // k, False, send_offsets, world * block, row_of.view(tokens, k), None, cap
-            )
-        elif x.dtype.is_floating_point:
-            send_rows = _Gather.apply(x, send_index, True, None, None, row_of.view(tokens, k), None, cap)
+        # skipped): a gather, not a scatter into zeros.
+        if x.dtype.is_floating_point:
+            send_rows = _Gather.apply(x, send_index, True, row_of.view(tokens, k), None, cap)
         else:
             send_rows = _take(x, send_index, spare=True)
     if keep is None:
@@ -788,7 +814,7 @@ def dispatch(
     else:  # dropless: exchanged already (static mode's kept counts are all of them: it fit)
         recv_counts = known[0]
     if mode == "exact":
-        send_rows = _Gather.apply(x, send_index, False, None, None, row_of.view(tokens, k), None, None)
+        send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
         # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
         # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
@@ -802,9 +828,8 @@ def dispatch(
         n_in = sum(recv_sizes)
         torch._check(rows >= n_in)
         recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
-        source, dest_of, counts, offsets, ends = _expert_layout(recv_counts, n_in, rows, align, none=n_in)
+        source, dest_of, counts, offsets, ends = _expert_layout(recv_counts, n_in, rows, align)
         back_index = dest_of  # every received row is data: no index past the rows of y
-        back_valid = None  # every received row is read by the layout row back_index names
         dropped = torch.zeros((), dtype=torch.int64, device=device)
         extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
     else:
@@ -813,40 +838,26 @@ def dispatch(
         # One even all_to_all of the blocks: the counts are known from the counts exchange,
         # so nothing else travels (no header, no pack; the blocks stay where they land).
         recv = _even.all_to_all(send_rows, group, 0, 0)
-        got_from = recv_counts.sum(1)  # rows of data in each received block
-        # The layout is computed over the received rows packed source-major (packed row
-        # p); block row q = s * block + j holds packed row start[s] + j when j < got_from[s].
-        start = _exclusive(got_from)
-        p = torch.arange(n_in, device=device)
-        s_of_p = torch.searchsorted(torch.cumsum(got_from, 0), p, right=True).clamp(max=world - 1)
-        row_of_p = torch.where(p < got_from.sum(), s_of_p * block + p - start[s_of_p], n_in - 1)
-        packed_source, dest_of, counts, offsets, ends = _expert_layout(
-            recv_counts, n_in, rows, align, none=n_in
-        )
-        source = torch.cat([row_of_p, row_of_p.new_full((1,), n_in - 1)])[packed_source]
-        # The rows combine sends back, as the blocks came: block row q carries the layout
-        # row of its packed row, if it holds data; otherwise any row of y (row 0), or, if
-        # y has none, a zero row. Combine masks what comes back for a padding slot.
-        q = torch.arange(n_in, device=device)
-        s, j = q // block, q % block
-        valid = j < got_from[s]
-        back_index = torch.where(valid, dest_of[(start[s] + j).clamp(max=n_in - 1)], 0)
-        back_valid = valid
+        source, dest_of, data, counts, offsets, ends = _block_layout(recv_counts, block, rows, align)
+        # The rows combine sends back, as the blocks came: block row q carries its layout
+        # row, if it holds data; otherwise any row of y (row 0), or, if y has none, a zero
+        # row. Combine masks what comes back for a padding slot.
+        back_index = torch.where(data, dest_of, 0)
         dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
-        extra = {"recv_counts": got_from, "kept": keep}
-    # The backward gathers each received row's gradient from its layout row (padding: none).
+        extra = {"recv_counts": recv_counts.sum(1), "kept": keep}
+    # The backward gathers each received row's gradient from its layout row. A block row
+    # that holds no data (static mode) gets row 0's: its sender reads no gradient from it.
     if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
         out = _take(recv, source, spare=False)
     else:
-        out = _Gather.apply(
-            recv, source, mode == "exact" and align > 1, None, None, back_index, back_valid, None
-        )
+        out = _Gather.apply(recv, source, mode == "exact" and align > 1, back_index, None, None)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
         dropped=dropped, needed=needed, topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
-        send_pairs=order, send_offsets=None if mode == "exact" else send_offsets,
+        send_pairs=order if mode == "exact" else pair_of_slot,
+        send_data=None if mode == "exact" else occupied,
         group_needed=group_needed, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     if policy is not None and mode == "static":
@@ -913,14 +924,16 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
     # Every index is a row of y, and every index of row_of a row of what comes back
     # (static mode: the rows after the data are zero), except when y has no rows.
     # The backward gathers each layout row's gradient from the row that carried it
-    # back; layout rows that hold no data (padding, empty capacity) get none.
-    n_back = handle.back_index.shape[0]
-    if handle.mode == "static":  # empty layout rows read the last block's spare row
-        data = handle.recv_source != n_back - 1
-    else:  # exact: every layout row is data, but for the padding to `align` (index n_back)
-        data = handle.recv_source < n_back if handle.align > 1 else None
+    # back; layout rows that hold no data (padding, empty capacity) get none. Static
+    # mode: they read the last block's spare row, whose gradient is zero (its sender's
+    # spare slot carries no pair, and the weighted sum's backward gives such a slot
+    # zero, exactly), so the gather needs no mask.
+    if handle.mode == "exact" and handle.align > 1:  # padding to `align`: index n_back
+        data = handle.recv_source < handle.back_index.shape[0]
+    else:
+        data = None
     no_rows = handle.mode == "static" and rows == 0  # y has no row: the slots read a zero row
-    back = _Gather.apply(y, handle.back_index, no_rows, None, None, handle.recv_source, data, None)
+    back = _Gather.apply(y, handle.back_index, no_rows, handle.recv_source, data, None)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
         g = resolve_group(opname, handle.group)
@@ -930,7 +943,7 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
     # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's is.
     spare = None if handle.capacity is None else handle.capacity
     row_of = handle.row_of.view(handle.tokens, handle.topk)
-    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, handle.send_offsets)
+    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, handle.send_data)
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -941,8 +954,8 @@ class _WeightedSum(torch.autograd.Function):
     the weights' gradient is the same op's (``_embedding_bag_per_sample_weights_backward``,
     a dot product per entry); the rows' gradient, ``weights[t, j] * grad[t]`` at row
     ``row_of[t, j]`` and zero at the rows no entry reads, is a gather through the
-    inverse map, dispatch's send bags (`pairs`, `offsets`: each row carries one pair
-    or none), where autograd's adjoint is a zero fill of ``rows``' size and a
+    inverse map, the pair each row carries (`pairs`, `data`: dispatch's ``send_pairs``
+    and ``send_data``), where autograd's adjoint is a zero fill of ``rows``' size and a
     scatter-add.
     """
 
@@ -954,7 +967,7 @@ class _WeightedSum(torch.autograd.Function):
         weights: Tensor,
         skip: int | None,
         pairs: Tensor,
-        offsets: Tensor | None,
+        data: Tensor | None,
     ) -> Tensor:
         tokens, k = row_of.shape
         flat = row_of.reshape(-1)
@@ -963,24 +976,23 @@ class _WeightedSum(torch.autograd.Function):
         out, offset2bag, _, _ = torch.ops.aten._embedding_bag(
             rows, flat, bags, False, 0, False, weights.reshape(-1), False, pad
         )
-        ctx.k, ctx.pad, ctx.has_offsets = k, pad, offsets is not None
-        ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs, offsets)
+        ctx.k, ctx.pad, ctx.static = k, pad, data is not None
+        ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        rows, flat, bags, offset2bag, weights, pairs, offsets = ctx.saved_tensors
+        rows, flat, bags, offset2bag, weights, pairs = ctx.saved_tensors
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
-            w = weights.reshape(-1)[pairs]  # each sent row's pair's weight
-            if ctx.has_offsets:  # static: a bag per row, one pair or none; the dropped pairs' bag cut off
-                d_rows = torch.nn.functional.embedding_bag(
-                    pairs // ctx.k, grad, offsets, mode="sum", per_sample_weights=w
-                )[: rows.shape[0]]
-            else:  # exact: row i carries pair pairs[i]
-                d_rows = torch.nn.functional.embedding_bag(
-                    (pairs // ctx.k).view(-1, 1), grad, mode="sum", per_sample_weights=w.view(-1, 1)
-                )
+            g, w = grad, weights.reshape(-1)
+            if ctx.static:  # a row carrying no pair (T * k) reads a zero row and a zero weight:
+                # its gradient is zero, exactly, which combine's backward relies on
+                g, w = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (g, w))
+            # row i carries pair pairs[i]: token pairs[i] // k's gradient times its weight
+            d_rows = torch.nn.functional.embedding_bag(
+                (pairs // ctx.k).view(-1, 1), g, mode="sum", per_sample_weights=w[pairs].view(-1, 1)
+            )
         if ctx.needs_input_grad[2]:
             d_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
                 grad, rows, flat, bags, offset2bag, 0, ctx.pad
@@ -988,24 +1000,17 @@ class _WeightedSum(torch.autograd.Function):
         return d_rows, None, d_weights, None, None, None
 
 
-def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, offsets: Tensor | None) -> Tensor:
+def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, data: Tensor | None) -> Tensor:
     """``rows[row_of.reshape(-1)]``, whose backward gathers through the pair each row carries.
 
     Autograd's backward of the ``index_select`` is a zero fill of ``rows``' size and an
     ``index_add_`` (0.56 ms of a 6.5 ms step of torchtitan's layer at 16384 tokens on
     an H200). Every row is read by at most one pair, so its gradient is that pair's
-    (`pairs`, `offsets`: dispatch's ``send_pairs`` and ``send_offsets``, as in
+    (`pairs`, `data`: dispatch's ``send_pairs`` and ``send_data``, as in
     :class:`_WeightedSum`). A dropped pair reads the spare row no kept pair has, which
     gets no gradient: the caller weights such entries by zero.
     """
-    flat = row_of.reshape(-1)
-    if offsets is None:  # exact: row i carries pair pairs[i]
-        return _Gather.apply(rows, flat, False, None, None, pairs, None, None)
-    # static: row s carries pair pairs[offsets[s]] if its bag holds one, none otherwise
-    n = rows.shape[0]
-    starts = offsets[:n]
-    carried = _take(pairs, starts, spare=True)  # a start past the last pair: an empty bag
-    return _Gather.apply(rows, flat, False, None, None, carried, offsets[1 : n + 1] > starts, None)
+    return _Gather.apply(rows, row_of.reshape(-1), False, pairs, data, None)
 
 
 def _weighted_sum(
@@ -1014,14 +1019,14 @@ def _weighted_sum(
     weights: Tensor,
     skip: int | None,
     pairs: Tensor,
-    offsets: Tensor | None,
+    data: Tensor | None,
 ) -> Tensor:
     """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, over the j with ``row_of[t, j] != skip``.
 
     One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
     writes ``(T, H)``, with no ``(T, k, H)`` gather in between. Its backward is
     :class:`_WeightedSum`'s gather through the pair each row carries (`pairs`,
-    `offsets`: dispatch's ``send_pairs`` and ``send_offsets``). Entries equal
+    `data`: dispatch's ``send_pairs`` and ``send_data``). Entries equal
     to `skip` (its ``padding_idx``) add nothing and get no gradient. That is the
     CPU's path (`_by_gather`). Dtypes it does not take (complex, integer) gather,
     mask and sum, and so does every device but the CPU: CUDA's embedding_bag
@@ -1033,8 +1038,8 @@ def _weighted_sum(
     """
     w = weights.to(rows.dtype)
     if rows.dtype.is_floating_point and not _by_gather(rows):
-        return _WeightedSum.apply(rows, row_of, w, skip, pairs, offsets)
-    per_pair = _rows_of_pairs(rows, row_of, pairs, offsets).view(*row_of.shape, rows.shape[1])
+        return _WeightedSum.apply(rows, row_of, w, skip, pairs, data)
+    per_pair = _rows_of_pairs(rows, row_of, pairs, data).view(*row_of.shape, rows.shape[1])
     if skip is not None:
         w = torch.where(row_of == skip, 0, w)
     return (per_pair * w.unsqueeze(-1)).sum(1)

@@ -178,9 +178,10 @@ def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: 
         recv, h = moe.dispatch(x, idx, case.num_experts, **kw)
     seen = (h.mode, h.capacity, h.group_needed, reads.count)
     y = run_experts(recv, h.counts, h.offsets, weights)
+    y.retain_grad()  # combine's backward: the rows outside the blocks get zero
     out = moe.combine(y, h) if given_at_dispatch(case) else moe.combine(y, h, w)
     # what ran: (mode, capacity, the group's need for mode="dropless", host reads)
-    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen
+    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen, y
 
 
 def run_case(case: Case, rank: int) -> dict[str, Any]:
@@ -193,7 +194,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     if case.mode == "policy":  # two steps of the same batch through one policy
         assert case.capacity is not None
         policy = moe.Dropless(case.capacity)
-        out, recv, counts, offsets, dropped, ends, _ = policy.run(layer, case, x, idx, w, weights, policy)
+        out, recv, counts, offsets, dropped, ends, _, y = policy.run(layer, case, x, idx, w, weights, policy)
         extra["step0"] = (policy.replays, policy.capacity, policy.needed)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
@@ -201,7 +202,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped, ends, seen = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends, seen, y = layer(case, x, idx, w, weights, case.mode)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
         if case.mode == "dropless":  # (mode run, capacity, group's need, host reads)
@@ -216,6 +217,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         "dx": grads[0],
         "dw": grads[1],
         "dW": grads[2],
+        "dy": y.grad,
         "in_flight": in_flight(),
         **extra,
     }
@@ -391,24 +393,28 @@ def reference(case: Case) -> dict[str, Any]:
         outs.append(out)
         loss = loss + (out * loss_w).sum()
     loss.backward()
-    recvs, counts, offsets, dropped = [], [], [], []
+    recvs, dys, counts, offsets, dropped = [], [], [], [], []
     cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
     for r in range(case.world):
-        blocks, c, o, at = [], [], [], 0
+        blocks, dy, c, o, at = [], [], [], [], 0
+        zero = torch.zeros(case.hidden, dtype=torch.float64)
         for e in range(r * case.e_local, (r + 1) * case.e_local):
-            rows = [
-                inputs[s][0][t]
+            pairs = [
+                (s, t, j)
                 for s in range(case.world)
                 for t, j in ((f // case.k, f % case.k) for f in range(case.tokens[s] * case.k))
                 if inputs[s][1][t, j] == e and keeps[s][t, j]
             ]
-            n = len(rows)
+            n = len(pairs)
             pad = -(-n // case.align) * case.align - n
             o.append(at)
             c.append(n)
-            blocks += rows + [torch.zeros(case.hidden, dtype=torch.float64)] * pad
+            blocks += [inputs[s][0][t] for s, t, _ in pairs] + [zero] * pad
+            # the loss's gradient at expert row (s, t, j): its weight times token t's loss weights
+            dy += [inputs[s][2][t, j] * inputs[s][3][t] for s, t, j in pairs] + [zero] * pad
             at += n + pad
         recv = torch.stack(blocks) if blocks else torch.zeros(0, case.hidden, dtype=torch.float64)
+        grad = torch.stack(dy) if dy else torch.zeros(0, case.hidden, dtype=torch.float64)
         # A static number of rows: zeros after the blocks. The dropless policy's first step
         # and mode="dropless" return static mode's layout when it fits the capacity, exact
         # mode's otherwise.
@@ -416,7 +422,9 @@ def reference(case: Case) -> dict[str, Any]:
         if static:
             total = -(-(case.world * cap + case.e_local * (case.align - 1)) // case.align) * case.align
             recv = torch.cat([recv, recv.new_zeros(total - recv.shape[0], case.hidden)])
+            grad = torch.cat([grad, grad.new_zeros(total - grad.shape[0], case.hidden)])
         recvs.append(recv)
+        dys.append(grad)
         counts.append(c)
         offsets.append(o)
         dropped.append(int((~keeps[r]).sum()))
@@ -426,6 +434,7 @@ def reference(case: Case) -> dict[str, Any]:
         "dw": [w.grad for w in ws],
         "dW": weights.grad,
         "recv": recvs,
+        "dy": dys,
         "counts": counts,
         "offsets": offsets,
         "dropped": dropped,
@@ -479,6 +488,8 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         torch.testing.assert_close(
             got["dw"], ref["dw"][r], msg=lambda m, where=where: f"{where} topk_weights.grad: {m}"
         )
+        # the experts' outputs' gradient: zero outside the blocks and in their padding
+        torch.testing.assert_close(got["dy"], ref["dy"][r], msg=lambda m, where=where: f"{where} y.grad: {m}")
         mine = slice(r * case.e_local, (r + 1) * case.e_local)
         torch.testing.assert_close(
             got["dW"], ref["dW"][mine], msg=lambda m, where=where: f"{where} W.grad: {m}"
@@ -527,7 +538,8 @@ def test_gathered_bags_match_one_process() -> None:
             torch.testing.assert_close(
                 got["recv"], ref["recv"][r], rtol=0, atol=0, msg=lambda m, w=where: f"{w}: {m}"
             )
-            for key, want in (("out", ref["out"][r]), ("dx", ref["dx"][r]), ("dw", ref["dw"][r])):
+            for key in ("out", "dx", "dw", "dy"):
+                want = ref[key][r]
                 torch.testing.assert_close(got[key], want, msg=lambda m, w=where, key=key: f"{w} {key}: {m}")
             mine = slice(r * case.e_local, (r + 1) * case.e_local)
             torch.testing.assert_close(got["dW"], ref["dW"][mine], msg=lambda m, w=where: f"{w} W.grad: {m}")
