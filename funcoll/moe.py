@@ -441,17 +441,17 @@ class _Gather(torch.autograd.Function):
     - `back` ``(len(t), k)`` with `skip`: row i's gradient is the sum of the
       gradient rows ``back[i]`` other than `skip` (a token's k copies, dropped
       pairs skipped);
-    - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row
-      ``back[i]``. Where no output row reads row i (static mode's empty slots), that
-      is not the adjoint's zero: the caller passes it only where nothing reads those
-      rows' gradient (each sender gathers its gradient from its data slots alone);
+    - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row ``back[i]``;
     - `back` ``(len(t),)`` with `valid`: the same where ``valid[i]``, zero elsewhere.
 
     The caller guarantees the inverse: every output row that reads a data row of
-    `t` is listed for it in `back`. An output row that reads a row of `t` that is not
-    data (a spare zero row of the wire, read by empty layout rows or padding slots)
-    passes it no gradient: such rows are constants (an empty bag, a zero row), so
-    the gradient of the op's inputs is autograd's, bit for bit up to the order of
+    `t` is listed for it in `back`. A row of `t` that is not data (a zero row of
+    the wire: an empty slot, a spare row) gets zero where `valid` or `skip` say
+    so. With `valid` None it gets the gradient row `back` names, which the caller
+    makes zero (combine's empty layout rows name the spare row, whose gradient is
+    exactly zero) or leaves unread (dispatch's empty block rows name row 0: each
+    sender gathers its tokens' gradient from its data slots alone). So the
+    gradient of the op's inputs is autograd's, bit for bit up to the order of
     each row's sum.
     """
 
