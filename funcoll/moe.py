@@ -841,7 +841,7 @@ def dispatch(
         source, dest_of, data, counts, offsets, ends = _block_layout(recv_counts, block, rows, align)
         # The rows combine sends back, as the blocks came: block row q carries its layout
         # row, if it holds data; otherwise any row of y (row 0), or, if y has none, a zero
-        # row. Combine masks what comes back for a padding slot.
+        # row. Combine reads back only the slots that carry a pair.
         back_index = torch.where(data, dest_of, 0)
         dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
         extra = {"recv_counts": recv_counts.sum(1), "kept": keep}
