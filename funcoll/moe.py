@@ -425,8 +425,13 @@ def _take(t: Tensor, index: Tensor, spare: bool) -> Tensor:
     padding and dropped pairs read zeros without a mask.
     """
     if spare:
-        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        t = _with_zero_row(t)
     return t.index_select(0, index)
+
+
+def _with_zero_row(t: Tensor) -> Tensor:
+    """`t` with one zero row after its rows (a copy)."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
 class _Gather(torch.autograd.Function):
@@ -538,6 +543,11 @@ def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Gr
     return _prims.all_to_all_p(rows, recv, send, g.name)
 
 
+def _padded(counts: Tensor, align: int) -> Tensor:
+    """Each count rounded up to a multiple of `align`: an expert's block in the layout."""
+    return counts if align == 1 else (counts + (align - 1)) // align * align
+
+
 def _expert_blocks(recv_counts: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
     """Each local expert's row count, where its block starts, where it ends (int32, a grouped GEMM's offs).
 
@@ -545,7 +555,7 @@ def _expert_blocks(recv_counts: Tensor, align: int) -> tuple[Tensor, Tensor, Ten
     expert. Each block is the expert's rows rounded up to a multiple of `align`.
     """
     counts = recv_counts.sum(0)
-    padded = counts if align == 1 else (counts + (align - 1)) // align * align
+    padded = _padded(counts, align)
     ends = torch.cumsum(padded, 0)
     return counts, ends - padded, ends.to(torch.int32)
 
@@ -616,8 +626,7 @@ def _block_layout(
 
 def _exact_sizes(per_dest: Tensor, recv_counts: Tensor, align: int) -> Tensor:
     """What exact mode reads on the host: rows sent to each rank, received from each, and the layout's rows."""
-    padded = (recv_counts.sum(0) + (align - 1)) // align * align
-    return torch.cat([per_dest, recv_counts.sum(1), padded.sum(0, True)])
+    return torch.cat([per_dest, recv_counts.sum(1), _padded(recv_counts.sum(0), align).sum(0, True)])
 
 
 @public_op("moe.dispatch")
@@ -988,7 +997,7 @@ class _WeightedSum(torch.autograd.Function):
             g, w = grad, weights.reshape(-1)
             if ctx.static:  # a row carrying no pair (T * k) reads a zero row and a zero weight:
                 # its gradient is zero, exactly, which combine's backward relies on
-                g, w = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (g, w))
+                g, w = _with_zero_row(g), _with_zero_row(w)
             # row i carries pair pairs[i]: token pairs[i] // k's gradient times its weight
             d_rows = torch.nn.functional.embedding_bag(
                 (pairs // ctx.k).view(-1, 1), g, mode="sum", per_sample_weights=w[pairs].view(-1, 1)
