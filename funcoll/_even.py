@@ -108,10 +108,12 @@ def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool)
     gathered = unwire(
         _prims.all_gather_p(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
     )
+    if tiled and d == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
+        return gathered
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
         return stacked.movedim(0, d).contiguous()
-    return gathered if d == 0 else _merge_rank_axis(stacked, d)
+    return _merge_rank_axis(stacked, d)
 
 
 @public_op("all_gather_into_tensor")
@@ -229,10 +231,9 @@ def reduce_scatter(
         y = fresh(x)
     else:
         xm = wire(x).movedim(d, 0)
-        y = unwire(_prims.reduce_scatter_p(xm, wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype).movedim(
-            0, d
-        )
-        y = y.contiguous()
+        y = unwire(_prims.reduce_scatter_p(xm, wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
+        if d != 0:  # dim 0: as it arrives, no view of an eager pending result
+            y = y.movedim(0, d).contiguous()
     return y.squeeze(d) if not tiled else y
 
 
@@ -426,6 +427,8 @@ def all_to_all(
     xm = wire(x).movedim(s, 0)  # (S, *R)
     if widths is None or _static_equal(widths):  # every rank's rows have one shape
         z = _prims.all_to_all_p(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
+        if s == 0 and gd == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
+            return unwire(z, x.dtype)
         z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
         return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
     # Rows differ in width between ranks: they travel flat, each piece as its elements.

@@ -12,7 +12,9 @@ registered (issued, not waited), so the caller's work until the first read
 overlaps with it. Ops that must copy what arrives (a pad cut, a reduction of the
 pieces, a layout change) return waited: the table says which. The result is
 then read and compared with a single-process reference, and nothing is left in
-flight afterwards. A dropped result is waited when it is freed (nothing is left
+flight afterwards. The even ops at dim 0 return the collective's output itself,
+with no view op on the pending result (each goes through its Python dispatch).
+A dropped result is waited when it is freed (nothing is left
 registered), and ``funcoll.wait`` keeps the autograd history.
 
 Ordering is what is checked, never time: benchmarks/bench_overlap.py measures how
@@ -32,6 +34,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import moe
+from funcoll._async import Pending
 from funcoll.testing import gloo_worker_threads, in_flight, run_ranks, settled
 
 WORLDS = (2, 3)
@@ -93,6 +96,12 @@ CASES: dict[str, tuple[Callable[[int, int], Any], Callable[[int, int], Tensor], 
 }  # fmt: skip
 
 
+# Ops whose result is the collective's output itself: no view op on the pending result,
+# each of which would go through its Python dispatch (moe's static mode calls the
+# dim-0 all_to_all four times a step).
+AS_ARRIVED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
 def _moe(rank: int, world: int) -> dict[str, Any]:
     """Dispatch then combine, exact mode: each lays its rows out (a copy) after computing where they go.
 
@@ -144,6 +153,8 @@ def _body(rank: int, world: int) -> dict[str, Any]:
             got[(defer_env, name)] = {
                 "pending": pending,
                 "type": type(y).__name__,
+                # the collective's own output, no view of it taken (each a Python dispatch)
+                "as_arrived": isinstance(y, Pending) and y.elem is y.ticket.output,
                 "y": y.clone(),
                 "left": in_flight(),
             }  # clone reads y
@@ -197,6 +208,8 @@ def test_result_arrives_at_first_use(
             assert r["pending"] >= 1 and r["type"] == "Pending", (rank, r["pending"], r["type"])
         else:
             assert r["pending"] == 0, f"rank {rank}: {r['pending']} in flight, expected a waited result"
+        if name in AS_ARRIVED:
+            assert r["as_arrived"], f"rank {rank}: {name} returned a view of its collective's output"
 
 
 @pytest.mark.parametrize("world", WORLDS)
