@@ -112,7 +112,7 @@ def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool)
         return gathered
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
-        return stacked.movedim(0, d).contiguous()
+        return stacked if d == 0 else stacked.movedim(0, d).contiguous()
     return _merge_rank_axis(stacked, d)
 
 
