@@ -108,7 +108,9 @@ def gather(
             equal, but skewed sizes send the padding. ``"shift"`` sends the first
             ``min(sizes)`` rows of every rank in one all_gather and the rest in
             ``world - 1`` all_to_all_singles, the k-th to rank ``rank + k``: no
-            padding and no copy, but world collectives (for large messages
+            padding and no copy to send, but world collectives, and the result
+            is assembled from the pieces after they arrive, a copy that no
+            overlapped work hides (for large messages that nothing overlaps,
             where the copy costs more than the latencies). Each issues the same
             collectives whatever the sizes, in eager and compiled code alike
             (docs/benchmarks.md has their costs).
