@@ -7,9 +7,9 @@ by index or name. Each form reaches dynamo differently (an opaque script object
 as a graph input, a constant from a closure cell or a module attribute, a
 string), and each must resolve inside the compiled region with no graph break.
 
-For every case of ``_ops.CASES`` that takes a group, with the group held on a
-module (``subgroup-attribute``, the Megatron/DeepSpeed form), for one or two cases
-per op and argument set (``at_scale``) on a 2-rank subgroup of 3 ranks, and for
+For one or two cases per op and argument set of ``_ops.CASES`` (``at_scale``), with
+the group held on a module (``subgroup-attribute``, the Megatron/DeepSpeed form) and
+on a 2-rank subgroup of 3 ranks (``test_fullgraph`` compiles every case), and for
 ``_ops.SMOKE_GROUP_CASES`` (an even collective, a
 ragged one, an uneven all_to_all: the three ways a group reaches a collective's
 arguments) with each other form, each rank compiles ``case.call`` with ``fullgraph=True`` on a backend that records the
@@ -68,20 +68,17 @@ FORMS_W2 = (
 )
 FORMS_W3 = ("sub01-of-3",)
 INDUCTOR_CASE = "gather-auto-ragged-x_nx5-dim0"
-# The forms that run every case, and those that run one or two cases per op and argument
-# set (`at_scale`: every op, on a group smaller than the world); the others run
+# The forms that run one or two cases per op and argument set (`at_scale`: every op;
+# test_fullgraph compiles every case, on the world group); the others run
 # SMOKE_GROUP_CASES (the form decides how the group reaches the op: every op hands it
 # to the same resolver).
-EVERY_CASE_FORMS = ("subgroup-attribute",)
-AT_SCALE_FORMS = ("sub01-of-3",)
+AT_SCALE_FORMS = ("subgroup-attribute", "sub01-of-3")
 
 
 def _cases(size: int, form: str) -> list[OpCase]:
     cases = [
         c for c in CASES if c.takes_group and size >= c.min_world and (not SMOKE or c.id in SMOKE_GROUP_CASES)
     ]
-    if form in EVERY_CASE_FORMS:
-        return cases
     if form in AT_SCALE_FORMS:
         return [c for c in cases if c.at_scale or c.id in SMOKE_GROUP_CASES]
     return [c for c in cases if c.id in SMOKE_GROUP_CASES]

@@ -4,7 +4,7 @@ On 2 gloo ranks, a step routes each rank's tokens (top-2 of 4 experts, 2 per
 rank), dispatches them, runs every local expert on its rows (a per-row weight
 gather standing in for a grouped GEMM; nothing read on the host), combines with
 the router weights and takes a weighted loss. It is compiled with
-``fullgraph=True`` on aot_eager (so a graph break fails the step) and run for 20
+``fullgraph=True`` on aot_eager (so a graph break fails the step) and run for 12
 steps, each with a fresh routing and fresh weights, the loss's backward
 included, in each mode: exact, static, and the :class:`funcoll.moe.Dropless`
 policy (its forward run through ``policy.run``, starting from a capacity that
@@ -47,7 +47,7 @@ from funcoll.testing import in_flight, run_ranks
 
 E_LOCAL, K, H = 2, 2, 6
 TOKENS = {2: (7, 4), 3: (7, 0, 4)}  # per rank, per world: T = 0 on a rank at 3
-STEPS = {2: 20, 3: 8}  # fewer at 3 ranks (and no plain static mode, which dropless runs): suite time
+STEPS = {2: 12, 3: 8}  # fewer at 3 ranks (and no plain static mode, which dropless runs): suite time
 MODES = {2: ("exact", "static", "dropless"), 3: ("exact", "dropless")}
 # On inductor, 2 ranks: the policy's steps compile its static graphs and its exact reruns' graph.
 INDUCTOR_MODES, INDUCTOR_STEPS = ("dropless",), 6

@@ -1,6 +1,6 @@
 """The static-shape ragged ops in a compiled training step: one graph whatever the sizes, no host sync.
 
-On 2 and 3 gloo ranks, one step runs both ops of ``funcoll/_static.py``:
+On 3 gloo ranks (an odd world; 2 ranks ran the same graphs, for the suite's time), one step runs both ops of ``funcoll/_static.py``:
 ``gather_padded`` of a bound-padded tensor (variable-length sequences) and
 ``all_to_all_padded`` of capacity blocks (an MoE dispatch), each followed by a softmax
 and a weighted loss, plus the cumsum of the returned sizes. It is compiled with
@@ -173,7 +173,7 @@ def _assert_steps(rank: int, label: str, steps: list[list[Tensor]], refs: list[l
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"rank {rank} {label} step {s} {name}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_compiled_step_compiles_once_and_matches_reference(world: int) -> None:
     results = _results(world)
     refs = [_reference(world, s) for s in range(STEPS)]
@@ -186,7 +186,7 @@ def test_compiled_step_compiles_once_and_matches_reference(world: int) -> None:
             _assert_steps(rank, f"{backend} dynamic={dynamic}", got["steps"], refs)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_dynamic_row_widths_share_a_graph_per_header_layout(world: int) -> None:
     """Rows at least as wide as the header (16, 24) share one graph; narrower ones (4, 6) another."""
     refs = [_reference(world, s, width) for s, width in enumerate(WIDTHS)]

@@ -275,7 +275,7 @@ def _reference(world: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])  # an even and an odd world; each rank a spawned process
 def test_ops_on_the_kernels_match_references(world: int) -> None:
     results = run_with_kernels(_run_ops, world, interpret=True)  # gloo: CPU tensors
     ref = _reference(world)
