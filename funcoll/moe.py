@@ -729,7 +729,6 @@ def dispatch(
         ((expert >= 0) & (expert < num_experts)).all(),
         f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
     )
-    dest = expert // e_local
     given = None if counts is None else counts.to(device=device, dtype=torch.int64)  # the caller's
     if given is not None and checks_enabled():  # the caller's counts route the data: wrong ones misroute it
         torch._assert_async(
@@ -737,9 +736,9 @@ def dispatch(
             f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
         )
     n_pairs = expert.shape[0]
-    pairs = torch.arange(n_pairs, device=device)
     known: tuple[Tensor, list[int]] | None = None  # dropless: the counts exchanged and the ints read
     group_needed = None
+    order = None  # the pairs in the order they are sent: by expert, so by destination rank
     if mode == "dropless":
         # Static if no rank of the group routes more pairs to one rank than the group's
         # largest `capacity` (then nothing drops), exact otherwise. One all_gather of every
@@ -750,15 +749,18 @@ def dispatch(
         # agree on the largest).
         given = _count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
         per_dest = given.view(world, e_local).sum(1)
-        # The table is read at once (the need, then the layout): waited here, so that its
-        # small ops run on a plain tensor, not each through a pending result's dispatch.
         # The capacity is filled in on the device: a tensor made from the host int would
         # be a copy the host waits for on CUDA, a second sync beside the one below.
-        table = wait(
-            _even.all_gather(
-                torch.cat([given, torch.full_like(given[:1], capacity)]), group=group, tiled=False
-            )
+        table = _even.all_gather(
+            torch.cat([given, torch.full_like(given[:1], capacity)]), group=group, tiled=False
         )
+        # While the table travels: the pairs by expert (token-major within one), the order
+        # both paths send them in. The static path is taken only when nothing drops, so
+        # it sends every pair, as exact mode does.
+        order = torch.sort(expert, stable=True).indices
+        # The table is read at once (the need, then the layout): waited here, so that its
+        # small ops run on a plain tensor, not each through a pending result's dispatch.
+        table = wait(table)
         recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
         need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
         # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
@@ -769,29 +771,48 @@ def dispatch(
         group_needed, capacity = ints[0], ints[1]
         mode = "static" if group_needed <= capacity else "exact"
         known = (recv_counts, ints[2:])
+    keep = None  # static mode: whether each pair is sent (not dropped); None: every pair is
+    if mode == "static":
+        cap = n_pairs if capacity is None else capacity
+        if known is None:  # static mode proper: the pairs past `cap` for one destination drop
+            dest = expert // e_local  # each pair's destination rank
+            # pairs bound to each rank, before the capacity
+            wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
+            pairs = torch.arange(n_pairs, device=device)
+            by_dest = torch.sort(dest, stable=True)  # token-major within each destination
+            position = torch.empty_like(pairs).scatter_(
+                0, by_dest.indices, pairs - _exclusive(wanted)[by_dest.values]
+            )  # the pair's place among this rank's pairs for its destination
+            keep = position < cap
+        else:  # dropless, and it fits: every pair is sent
+            wanted = per_dest
+    if keep is None:
+        per_expert = _count(expert, num_experts) if given is None else given
+    else:
+        per_expert = _count(expert, num_experts, keep.to(torch.int64))
+    if known is None:
+        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
+        # source. Issued before the send side is laid out, which runs while they travel.
+        recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+    else:  # dropless: exchanged already (static mode's path: every pair fits)
+        recv_counts = known[0]
+    if order is None:  # by expert, the dropped pairs (key E) after the kept ones
+        order = torch.sort(
+            expert if keep is None else torch.where(keep, expert, num_experts), stable=True
+        ).indices
     if mode == "exact":
-        keep = None
-        # By expert: so by destination rank, then local expert, then pair (token-major).
-        order = torch.sort(expert, stable=True).indices
         row_of = _inverse(order)
         send_index = order // k
+        send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
+        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
     else:
-        cap = n_pairs if capacity is None else capacity
-        # pairs bound to each rank, before the capacity
-        wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
-        by_dest = torch.sort(dest, stable=True)  # token-major within each destination
-        position = torch.empty_like(pairs).scatter_(
-            0, by_dest.indices, pairs - _exclusive(wanted)[by_dest.values]
-        )  # the pair's place among this rank's pairs for its destination
-        keep = position < cap
         # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
         # then zero rows; on the wire each block has one row more than `cap`, never
         # data, so the last row of every received block is a zero row that empty
         # layout rows read. In `order` the kept pairs come first, by expert (so by
         # destination): slot i of block d holds pair order[first[d] + i] if i < sent[d].
         block = cap + 1
-        order = torch.sort(torch.where(keep, expert, num_experts), stable=True).indices
-        sent = wanted.clamp(max=cap)
+        sent = wanted if keep is None else wanted.clamp(max=cap)
         first = _exclusive(sent)
         i = torch.arange(block, device=device)
         occupied = (i < sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds a pair
@@ -808,22 +829,12 @@ def dispatch(
             send_rows = _Gather.apply(x, send_index, True, row_of.view(tokens, k), None, cap)
         else:
             send_rows = _take(x, send_index, spare=True)
-    if keep is None:
-        per_expert = _count(expert, num_experts) if given is None else given
-        per_dest = per_expert.view(world, e_local).sum(1)  # exact mode: the rows sent to each rank
-    else:
-        per_expert = _count(expert, num_experts, keep.to(torch.int64))
         per_dest = wanted
     needed = per_dest.max()
-    if known is None:
-        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per source.
-        # Read at once by the layout's small ops (and exact mode's host read): waited here,
-        # so that they run on a plain tensor, not each through a pending result's dispatch.
-        recv_counts = wait(_even.all_to_all(per_expert.view(world, e_local), group, 0, 0))
-    else:  # dropless: exchanged already (static mode's kept counts are all of them: it fit)
-        recv_counts = known[0]
+    # Read at once by the layout's small ops (and exact mode's host read): waited here,
+    # so that they run on a plain tensor, not each through a pending result's dispatch.
+    recv_counts = wait(recv_counts)
     if mode == "exact":
-        send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
         # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
         # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
@@ -852,7 +863,11 @@ def dispatch(
         # row, if it holds data; otherwise any row of y (row 0), or, if y has none, a zero
         # row. Combine reads back only the slots that carry a pair.
         back_index = torch.where(data, dest_of, 0)
-        dropped = n_pairs - keep.sum()  # type: ignore[union-attr]
+        if keep is None:  # dropless's static path: it fit, nothing dropped
+            keep = torch.ones(n_pairs, dtype=torch.bool, device=device)
+            dropped = torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            dropped = n_pairs - keep.sum()
         extra = {"recv_counts": recv_counts.sum(1), "kept": keep}
     # The backward gathers each received row's gradient from its layout row. A block row
     # that holds no data (static mode) gets row 0's: its sender reads no gradient from it.
