@@ -567,9 +567,10 @@ def _run_starts(recv_counts: Tensor, offsets: Tensor, run_ends: Tensor) -> Tenso
     (`offsets`) after the rows for e from earlier sources; on the wire it starts
     where the runs before it in its source's rows end (`run_ends`, a cumulative sum
     over them, minus its own length). A row's layout row is this plus its place
-    on the wire.
+    on the wire. (``offsets + (cumsum(recv_counts, 0) - recv_counts) - (run_ends -
+    recv_counts)``, the two ``recv_counts`` cancelled.)
     """
-    return offsets + _exclusive(recv_counts, 0) - (run_ends - recv_counts)
+    return (offsets - run_ends) + torch.cumsum(recv_counts, 0)
 
 
 def _expert_layout(
@@ -613,14 +614,15 @@ def _block_layout(
     device = recv_counts.device
     counts, offsets, ends = _expert_blocks(recv_counts, align)
     run_ends = torch.cumsum(recv_counts, 1)
-    i = torch.arange(block, device=device).repeat(world, 1)
+    n_in = world * block
+    q = torch.arange(n_in, device=device)  # the block rows, block-major
+    i = torch.remainder(q, block).view(world, block)  # each one's place in its block
     run = torch.searchsorted(run_ends, i, right=True)
     data = run < e_local
     start = _run_starts(recv_counts, offsets, run_ends).gather(1, run.clamp(max=e_local - 1))
     dest = torch.where(data, start + i, rows).view(-1)
-    n_in = world * block
     source = torch.full((rows + 1,), n_in - 1, dtype=torch.int64, device=device)
-    source = source.scatter_(0, dest, torch.arange(n_in, device=device))[:rows]
+    source = source.scatter_(0, dest, q)[:rows]
     return source, dest, data.view(-1), counts, offsets, ends
 
 

@@ -97,8 +97,9 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
 
     ``dispatch`` returns ``(routed_input, block_sizes, handle)``: the tokens grouped
     by local expert (:func:`funcoll.moe.dispatch`'s ``recv``), each local expert's
-    block size padded to `align` (int32; their cumulative sum is ``handle.ends``,
-    the ``offs`` of ``torch._grouped_mm``), and the :class:`funcoll.moe.MoEHandle`
+    block size padded to `align` (``handle.counts``, int64, with `align` 1; int32
+    otherwise; their cumulative sum is ``handle.ends``, the ``offs`` of
+    ``torch._grouped_mm``), and the :class:`funcoll.moe.MoEHandle`
     that ``combine`` reads. ``combine`` returns ``(T, D)``: each token's expert
     outputs weighted by the router's scores and summed, in ``x``'s dtype. Gradients
     flow to the tokens, the scores and the experts.
@@ -185,9 +186,11 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
             if self.grow:
                 self._grown = _round_up(handle.group_needed)
         # GroupedExperts takes block sizes and cumsums them into grouped_mm's offs:
-        # the padded sizes, so that their cumulative sum is handle.ends.
-        sizes = torch.diff(handle.ends, prepend=handle.ends.new_zeros(1))
-        return recv, sizes, handle
+        # the padded sizes, so that their cumulative sum is handle.ends. Unpadded
+        # (align 1) they are the counts themselves.
+        if self.align == 1:
+            return recv, handle.counts, handle
+        return recv, torch.diff(handle.ends, prepend=handle.ends.new_zeros(1)), handle
 
     def combine(  # type: ignore[override]
         self, routed_output_RD: Tensor, metadata: Any, x_TD: Tensor
