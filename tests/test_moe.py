@@ -181,7 +181,7 @@ def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: 
     y.retain_grad()  # combine's backward: the rows outside the blocks get zero
     out = moe.combine(y, h) if given_at_dispatch(case) else moe.combine(y, h, w)
     # what ran: (mode, capacity, the group's need for mode="dropless", host reads)
-    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen, y
+    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen, y, h.kept
 
 
 def run_case(case: Case, rank: int) -> dict[str, Any]:
@@ -194,7 +194,9 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     if case.mode == "policy":  # two steps of the same batch through one policy
         assert case.capacity is not None
         policy = moe.Dropless(case.capacity)
-        out, recv, counts, offsets, dropped, ends, _, y = policy.run(layer, case, x, idx, w, weights, policy)
+        out, recv, counts, offsets, dropped, ends, _, y, keep = policy.run(
+            layer, case, x, idx, w, weights, policy
+        )
         extra["step0"] = (policy.replays, policy.capacity, policy.needed)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
@@ -202,7 +204,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped, ends, seen, y = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends, seen, y, keep = layer(case, x, idx, w, weights, case.mode)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
         if case.mode == "dropless":  # (mode run, capacity, group's need, host reads)
@@ -213,6 +215,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         "offsets": offsets,
         "ends": ends,
         "dropped": dropped,
+        "kept": keep,
         "out": out.detach(),
         "dx": grads[0],
         "dw": grads[1],
@@ -393,7 +396,7 @@ def reference(case: Case) -> dict[str, Any]:
         outs.append(out)
         loss = loss + (out * loss_w).sum()
     loss.backward()
-    recvs, dys, counts, offsets, dropped = [], [], [], [], []
+    recvs, dys, counts, offsets, dropped, kepts = [], [], [], [], [], []
     cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
     for r in range(case.world):
         blocks, dy, c, o, at = [], [], [], [], 0
@@ -428,6 +431,7 @@ def reference(case: Case) -> dict[str, Any]:
         counts.append(c)
         offsets.append(o)
         dropped.append(int((~keeps[r]).sum()))
+        kepts.append(keeps[r].reshape(-1))
     return {
         "out": [o.detach() for o in outs],
         "dx": [x.grad for x in xs],
@@ -438,6 +442,7 @@ def reference(case: Case) -> dict[str, Any]:
         "counts": counts,
         "offsets": offsets,
         "dropped": dropped,
+        "kept": kepts,
     }
 
 
@@ -483,6 +488,10 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         want_ends = [o + p for o, p in zip(ref["offsets"][r], padded, strict=True)]
         assert got["ends"].dtype == torch.int32 and got["ends"].tolist() == want_ends, where
         assert got["dropped"].dtype == torch.int64 and int(got["dropped"]) == ref["dropped"][r], where
+        if (
+            got["kept"] is not None
+        ):  # a static layout (static mode, or dropless's static path): all kept there
+            assert got["kept"].tolist() == ref["kept"][r].tolist(), where
         torch.testing.assert_close(got["out"], ref["out"][r], msg=lambda m, where=where: f"{where} out: {m}")
         torch.testing.assert_close(got["dx"], ref["dx"][r], msg=lambda m, where=where: f"{where} x.grad: {m}")
         torch.testing.assert_close(
