@@ -350,6 +350,12 @@ def test_override_swaps_torchtitans_dispatcher_config() -> None:
         AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mode="dropless"
     ).build()
     assert (dropless.mode, dropless.grow, dropless._capacity(10, 4)) == ("dropless", True, 5)  # factor 1.0
+    for mode in ("static", "dropless"):  # each takes the capacity, or the factor, it is given
+        for kw, want in (({"capacity_factor": 1.25}, 7), ({"capacity": 3}, 3)):
+            built = FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode=mode, **kw).build()
+            assert built._capacity(10, 4) == want, (mode, kw)  # ceil(1.25 * 10 * 2 / 4) = 7
+    static = FuncollTokenDispatcher.Config(num_experts=E, top_k=K, mode="static").build()
+    assert static._capacity(10, 4) is None  # the dropless bound, T * k
     # after an overflow: the need rounded up to 4 significant bits, never more than 1/8 above it
     from funcoll.integrations.torchtitan import _round_up
 

@@ -145,11 +145,13 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         self._grown = 0  # dropless: the capacity the last overflow grew to
 
     def _capacity(self, tokens: int, ep: int) -> int | None:
-        if self.mode == "exact":
-            return None
-        factor = 1.0 if self.mode == "dropless" and self.capacity is None else self.capacity_factor
-        if factor is None:
+        if self.mode == "exact" or self.capacity is not None:
             return self.capacity
+        factor = self.capacity_factor
+        if factor is None:  # static: the dropless bound (None); dropless: factor 1.0
+            if self.mode == "static":
+                return None
+            factor = 1.0
         return math.ceil(factor * tokens * self.top_k / ep)
 
     def dispatch(  # type: ignore[override]
