@@ -488,9 +488,8 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         want_ends = [o + p for o, p in zip(ref["offsets"][r], padded, strict=True)]
         assert got["ends"].dtype == torch.int32 and got["ends"].tolist() == want_ends, where
         assert got["dropped"].dtype == torch.int64 and int(got["dropped"]) == ref["dropped"][r], where
-        if (
-            got["kept"] is not None
-        ):  # a static layout (static mode, or dropless's static path): all kept there
+        # a static layout (static mode, or dropless's static path, where every pair is kept)
+        if got["kept"] is not None:
             assert got["kept"].tolist() == ref["kept"][r].tolist(), where
         torch.testing.assert_close(got["out"], ref["out"][r], msg=lambda m, where=where: f"{where} out: {m}")
         torch.testing.assert_close(got["dx"], ref["dx"][r], msg=lambda m, where=where: f"{where} x.grad: {m}")
