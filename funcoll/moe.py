@@ -806,7 +806,8 @@ def dispatch(
         row_of = _inverse(order)
         send_index = order // k
         send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
-        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
+        if known is None:  # (dropless summed them beside its table)
+            per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
     else:
         # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
         # then zero rows; on the wire each block has one row more than `cap`, never
