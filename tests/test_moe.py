@@ -799,9 +799,12 @@ def test_dropless_errors() -> None:
     assert not policy._active  # an error inside the forward leaves the policy usable
 
 
-def test_expert_id_out_of_range() -> None:
+@pytest.mark.parametrize("bad", [4, -1, 2**40], ids=["num-experts", "negative", "huge"])
+def test_expert_id_out_of_range(bad: int) -> None:
+    idx = IDX.clone()
+    idx[1, 0] = bad  # one id outside [0, 4), the others valid
     with pytest.raises(RuntimeError, match=r"funcoll.moe.dispatch: `topk_idx` holds an expert id outside"):
-        moe.dispatch(X, IDX + 4, 4)
+        moe.dispatch(X, idx, 4)
 
 
 def test_caller_counts_are_checked_only_with_checks_on() -> None:
