@@ -154,6 +154,32 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _drops(capacity: int, n_pairs: int | torch.SymInt, dropless: bool) -> bool:
+    """Whether a static dispatch of `n_pairs` pairs may drop some at `capacity` (known on the host).
+
+    None drops on dropless's static path (taken only when every pair fits), nor with
+    ``capacity >= T * k``: one rank cannot send more pairs to one rank than it has
+    (the dropless bound, or one rank's capacity factor over 1). Eager only: compiled,
+    ``T`` may be a symbol (a guard on it, or none possible if it is unbacked), and
+    inductor fuses the drop order's small ops. Either answer gives the same values:
+    this only skips work that drops nothing.
+    """
+    if dropless:
+        return False
+    return torch.compiler.is_compiling() or not (_is_int(n_pairs) and capacity >= n_pairs)
+
+
+def _eager_rows(n: int | torch.SymInt) -> bool:
+    """Whether `n` (a row count) is a positive plain int, in eager code.
+
+    Static mode's blocks skip a copy of a tensor with a zero row after its rows when
+    the tensor has a row to read in its place (`_take`'s blocks). Compiled, a count may
+    be a symbol (unbacked after a ragged op: no guard on it is possible), and inductor
+    fuses the copy into the gather, so compiled code keeps the copy.
+    """
+    return not torch.compiler.is_compiling() and _is_int(n) and n > 0
+
+
 _R = TypeVar("_R")
 
 
@@ -417,14 +443,25 @@ def _inverse(perm: Tensor) -> Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
 
 
-def _take(t: Tensor, index: Tensor, spare: bool) -> Tensor:
-    """The rows `index` of `t`; with `spare`, index ``len(t)`` reads a zero row.
+def _take(t: Tensor, index: Tensor, spare: bool | int | torch.SymInt | torch.SymBool) -> Tensor:
+    """The rows `index` of `t`, where an index ``len(t)`` marks a row that is not data.
 
-    Without `spare` (every index a row of `t`) it is one ``index_select``; with it
-    `t` is first copied with one zero row after its rows, so that empty slots,
-    padding and dropped pairs read zeros without a mask.
+    - `spare` False: every index is a row of `t`: one ``index_select``.
+    - `spare` True: index ``len(t)`` reads a zero row: `t` is first copied with one
+      zero row after its rows, so that empty slots, padding and dropped pairs read
+      zeros without a mask.
+    - `spare` an int ``b`` (static mode's blocks of ``b`` rows; `t` has a row): index
+      ``len(t)`` reads `t`'s last row, and the last row of every ``b`` rows of the
+      result is zero. Those are the blocks' spare rows, the only rows that are not
+      data which anything reads (a receiver's empty layout rows read its last
+      block's); the other empty slots travel unread. No copy of `t`: a clamp of the
+      index and a fill of one row a block.
     """
-    if spare:
+    if isinstance(spare, (int, torch.SymInt)) and not isinstance(spare, bool):  # blocks of `spare` rows
+        out = t.index_select(0, index.clamp(max=t.shape[0] - 1))
+        out.view(-1, spare, *t.shape[1:]).select(1, spare - 1).zero_()
+        return out
+    if spare:  # (a SymBool guards here, compiled)
         t = _with_zero_row(t)
     return t.index_select(0, index)
 
@@ -447,14 +484,17 @@ class _Gather(torch.autograd.Function):
       gradient rows ``back[i]`` other than `skip` (a token's k copies, dropped
       pairs skipped);
     - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row ``back[i]``;
-    - `back` ``(len(t),)`` with `valid`: the same where ``valid[i]``, zero elsewhere.
+    - `back` ``(len(t),)`` with `valid` a mask: the same where ``valid[i]``, zero elsewhere;
+    - `back` ``(len(t),)`` with `valid` an int ``b`` (static mode's blocks): the same,
+      except that the last row of every ``b`` is zero and a row whose `back` is past
+      the gradient's rows gets any row (``_take(grad, back, b)``).
 
     The caller guarantees the inverse: every output row that reads a data row of
     `t` is listed for it in `back`. A row of `t` that is not data (a zero row of
     the wire: an empty slot, a spare row) gets zero where `valid` or `skip` say
     so. With `valid` None it gets the gradient row `back` names, which the caller
     makes zero (combine's empty layout rows name the spare row, whose gradient is
-    exactly zero) or leaves unread (dispatch's empty block rows name row 0: each
+    exactly zero) or leaves unread (dispatch's empty block rows name the last layout row: each
     sender gathers its tokens' gradient from its data slots alone). So the
     gradient of the op's inputs is autograd's, bit for bit up to the order of
     each row's sum.
@@ -467,12 +507,13 @@ class _Gather(torch.autograd.Function):
         index: Tensor,
         spare: bool,
         back: Tensor,
-        valid: Tensor | None,
+        valid: Tensor | int | None,
         skip: int | None,
     ) -> Tensor:
         ctx.skip = skip
-        ctx.has_valid = valid is not None
-        ctx.save_for_backward(back, valid if valid is not None else back)
+        ctx.masked = isinstance(valid, Tensor)
+        ctx.block = None if ctx.masked else valid
+        ctx.save_for_backward(back, valid if ctx.masked else back)
         return _take(t, index, spare)
 
     @staticmethod
@@ -480,10 +521,12 @@ class _Gather(torch.autograd.Function):
         back, valid = ctx.saved_tensors
         if back.dim() == 2:
             out = _sum_bags(grad, back, ctx.skip)
-        elif not ctx.has_valid:  # every row of t is data
-            out = grad.index_select(0, back)
-        else:
+        elif ctx.masked:
             out = _take_valid(grad, back, valid)
+        elif ctx.block is None:  # every row of t is data
+            out = grad.index_select(0, back)
+        else:  # (the caller gives a block only where grad has a row: `_eager_rows`)
+            out = _take(grad, back, ctx.block)
         return out, None, None, None, None, None
 
 
@@ -543,6 +586,16 @@ def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Gr
     return _prims.all_to_all_p(rows, recv, send, g.name)
 
 
+def _exchange_blocks(t: Tensor, group: GroupLike, g: Group) -> Tensor:
+    """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
+
+    One rank: `t` itself. Dispatch and combine pass only their own intermediates,
+    which need not be copied into a new tensor, as the public op does (one copy of
+    the send buffer each way in a one-rank group).
+    """
+    return t if g.is_single else _even.all_to_all(t, group, 0, 0)
+
+
 def _padded(counts: Tensor, align: int) -> Tensor:
     """Each count rounded up to a multiple of `align`: an expert's block in the layout."""
     return counts if align == 1 else (counts + (align - 1)) // align * align
@@ -599,18 +652,19 @@ def _expert_layout(
 
 def _block_layout(
     recv_counts: Tensor, block: int, rows: int, align: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Static mode's expert-major layout of the received blocks: (recv_source, dest, data, counts, offsets, ends).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Static mode's expert-major layout of the received blocks: (recv_source, dest, counts, offsets, ends).
 
     Block s holds source s's rows for local expert 0, then expert 1, ..., then zero
     rows, `block` rows in all (its last always zero). Computed over the
     ``(world, block)`` grid of block rows: row i of block s is in run
     ``searchsorted(cumsum(recv_counts[s]), i)`` (``E_local``: past the data). Returns,
     for each of the `rows` layout rows, the block row it holds (``world * block - 1``,
-    the last block's zero row, if none), for each block row its layout row (`rows`
-    if it holds no data) and whether it holds data, and :func:`_expert_blocks`.
+    the last block's zero row, if none), for each block row its layout row (``rows +
+    i`` for row i of a block if it holds no data: past the layout), and
+    :func:`_expert_blocks`.
     """
-    world, e_local = recv_counts.shape
+    world = recv_counts.shape[0]
     device = recv_counts.device
     counts, offsets, ends = _expert_blocks(recv_counts, align)
     run_ends = torch.cumsum(recv_counts, 1)
@@ -618,17 +672,23 @@ def _block_layout(
     q = torch.arange(n_in, device=device)  # the block rows, block-major
     i = torch.remainder(q, block).view(world, block)  # each one's place in its block
     run = torch.searchsorted(run_ends, i, right=True)
-    data = run < e_local
-    start = _run_starts(recv_counts, offsets, run_ends).gather(1, run.clamp(max=e_local - 1))
-    dest = torch.where(data, start + i, rows).view(-1)
-    source = torch.full((rows + 1,), n_in - 1, dtype=torch.int64, device=device)
+    # The rows past the data (run E_local) start at `rows`: one more column, so that one
+    # gather places every row, with no mask.
+    start = torch.nn.functional.pad(_run_starts(recv_counts, offsets, run_ends), (0, 1), value=rows)
+    dest = (start.gather(1, run) + i).view(-1)
+    source = torch.full((rows + block,), n_in - 1, dtype=torch.int64, device=device)
     source = source.scatter_(0, dest, q)[:rows]
-    return source, dest, data.view(-1), counts, offsets, ends
+    return source, dest, counts, offsets, ends
 
 
-def _exact_sizes(per_dest: Tensor, recv_counts: Tensor, align: int) -> Tensor:
-    """What exact mode reads on the host: rows sent to each rank, received from each, and the layout's rows."""
-    return torch.cat([per_dest, recv_counts.sum(1), _padded(recv_counts.sum(0), align).sum(0, True)])
+def _exact_sizes(
+    per_dest: Tensor, recv_sizes: Tensor, recv_counts: Tensor, align: int, head: tuple[Tensor, ...] = ()
+) -> Tensor:
+    """What exact mode reads on the host, after `head`.
+
+    The rows sent to each rank, the rows received from each, and the layout's rows.
+    """
+    return torch.cat([*head, per_dest, recv_sizes, _padded(recv_counts.sum(0), align).sum(0, True)])
 
 
 @public_op("moe.dispatch")
@@ -750,12 +810,10 @@ def dispatch(
         # same capacity (ranks whose capacities differ, from different token counts,
         # agree on the largest).
         given = _count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
-        per_dest = given.view(world, e_local).sum(1)
         # The capacity is filled in on the device: a tensor made from the host int would
         # be a copy the host waits for on CUDA, a second sync beside the one below.
-        table = _even.all_gather(
-            torch.cat([given, torch.full_like(given[:1], capacity)]), group=group, tiled=False
-        )
+        row = torch.cat([given, torch.full_like(given[:1], capacity)])
+        table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=group, tiled=False)
         # While the table travels: the pairs by expert (token-major within one), the order
         # both paths send them in. The static path is taken only when nothing drops, so
         # it sends every pair, as exact mode does.
@@ -764,19 +822,22 @@ def dispatch(
         # small ops run on a plain tensor, not each through a pending result's dispatch.
         table = wait(table)
         recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
-        need = table[:, :num_experts].reshape(world, world, e_local).sum(2).max()
+        sends = table[:, :num_experts].reshape(world, world, e_local).sum(2)  # rows rank s routes to rank d
+        per_dest = sends[g.rank]
         # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
         # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
         # ints, so that an overflow reads nothing more.
-        agreed = torch.stack([need, table[:, num_experts].max()])
-        ints = host_ints(torch.cat([agreed, _exact_sizes(per_dest, recv_counts, align)]))
+        agreed = (sends.max().view(1), table[:, num_experts].max().view(1))
+        ints = host_ints(_exact_sizes(per_dest, sends[:, g.rank], recv_counts, align, head=agreed))
         group_needed, capacity = ints[0], ints[1]
         mode = "static" if group_needed <= capacity else "exact"
         known = (recv_counts, ints[2:])
     keep = None  # static mode: whether each pair is sent (not dropped); None: every pair is
     if mode == "static":
         cap = n_pairs if capacity is None else capacity
-        if known is None:  # static mode proper: the pairs past `cap` for one destination drop
+        # Static mode proper drops the pairs past `cap` for one destination, unless none can
+        # (see `_drops`): then every pair is sent as on dropless's static path, with no drop order.
+        if _drops(cap, n_pairs, dropless=known is not None):
             dest = expert // e_local  # each pair's destination rank
             # pairs bound to each rank, before the capacity
             wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
@@ -786,8 +847,6 @@ def dispatch(
                 0, by_dest.indices, pairs - _exclusive(wanted)[by_dest.values]
             )  # the pair's place among this rank's pairs for its destination
             keep = position < cap
-        else:  # dropless, and it fits: every pair is sent
-            wanted = per_dest
     if keep is None:
         per_expert = _count(expert, num_experts) if given is None else given
     else:
@@ -795,7 +854,7 @@ def dispatch(
     if known is None:
         # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
         # source. Issued before the send side is laid out, which runs while they travel.
-        recv_counts = _even.all_to_all(per_expert.view(world, e_local), group, 0, 0)
+        recv_counts = _exchange_blocks(per_expert.view(world, e_local), group, g)
     else:  # dropless: exchanged already (static mode's path: every pair fits)
         recv_counts = known[0]
     if order is None:  # by expert, the dropped pairs (key E) after the kept ones
@@ -806,16 +865,16 @@ def dispatch(
         row_of = _inverse(order)
         send_index = order // k
         send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
-        if known is None:  # (dropless summed them beside its table)
-            per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
-    else:
+    if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
+        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
+    if mode == "static":
         # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
         # then zero rows; on the wire each block has one row more than `cap`, never
         # data, so the last row of every received block is a zero row that empty
         # layout rows read. In `order` the kept pairs come first, by expert (so by
         # destination): slot i of block d holds pair order[first[d] + i] if i < sent[d].
         block = cap + 1
-        sent = wanted if keep is None else wanted.clamp(max=cap)
+        sent = per_dest if keep is None else wanted.clamp(max=cap)
         first = _exclusive(sent)
         i = torch.arange(block, device=device)
         occupied = (i < sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds a pair
@@ -825,14 +884,19 @@ def dispatch(
         # row of block 0, which combine skips (no kept pair's slot is a spare row).
         row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
         row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
-        send_index = pair_of_slot // k  # an empty slot: T, the zero row after x's rows
+        send_index = pair_of_slot // k  # an empty slot: T, past x's rows
+        # An empty slot reads any row of x, and each block's spare row is zeroed (x is
+        # not copied with a zero row), unless x has no row to read.
+        spare: bool | int = block if _eager_rows(tokens) else True
         # Its backward sums each token's kept slots (one bag of k, dropped pairs
-        # skipped): a gather, not a scatter into zeros.
+        # skipped; none on dropless's static path): a gather, not a scatter into zeros.
         if x.dtype.is_floating_point:
-            send_rows = _Gather.apply(x, send_index, True, row_of.view(tokens, k), None, cap)
+            skip = cap if keep is not None else None
+            send_rows = _Gather.apply(x, send_index, spare, row_of.view(tokens, k), None, skip)
         else:
-            send_rows = _take(x, send_index, spare=True)
-        per_dest = wanted
+            send_rows = _take(x, send_index, spare)
+        if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
+            per_dest = wanted
     needed = per_dest.max()
     # Read at once by the layout's small ops (and exact mode's host read): waited here,
     # so that they run on a plain tensor, not each through a pending result's dispatch.
@@ -844,7 +908,7 @@ def dispatch(
         # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
         # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
         if known is None:
-            ints = host_ints(_exact_sizes(per_dest, recv_counts, align))
+            ints = host_ints(_exact_sizes(per_dest, recv_counts.sum(1), recv_counts, align))
         else:  # dropless, overflowed: read with the need
             ints = known[1]
         send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
@@ -860,20 +924,20 @@ def dispatch(
         rows = -(-(world * cap + e_local * (align - 1)) // align) * align
         # One even all_to_all of the blocks: the counts are known from the counts exchange,
         # so nothing else travels (no header, no pack; the blocks stay where they land).
-        recv = _even.all_to_all(send_rows, group, 0, 0)
-        source, dest_of, data, counts, offsets, ends = _block_layout(recv_counts, block, rows, align)
+        recv = _exchange_blocks(send_rows, group, g)
+        source, dest_of, counts, offsets, ends = _block_layout(recv_counts, block, rows, align)
         # The rows combine sends back, as the blocks came: block row q carries its layout
-        # row, if it holds data; otherwise any row of y (row 0), or, if y has none, a zero
-        # row. Combine reads back only the slots that carry a pair.
-        back_index = torch.where(data, dest_of, 0)
-        if keep is None:  # dropless's static path: it fit, nothing dropped
+        # row, if it holds data; otherwise any row of y (the last), or, if y has none, a
+        # zero row (index 0). Combine reads back only the slots that carry a pair.
+        back_index = dest_of.clamp(max=max(rows - 1, 0))
+        if keep is None:  # nothing dropped: it fit (dropless) or cannot drop
             keep = torch.ones(n_pairs, dtype=torch.bool, device=device)
             dropped = torch.zeros((), dtype=torch.int64, device=device)
         else:
             dropped = n_pairs - keep.sum()
         extra = {"recv_counts": recv_counts.sum(1), "kept": keep}
     # The backward gathers each received row's gradient from its layout row. A block row
-    # that holds no data (static mode) gets row 0's: its sender reads no gradient from it.
+    # that holds no data (static mode) gets the last layout row's: its sender reads no gradient from it.
     if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
         out = _take(recv, source, spare=False)
     else:
@@ -966,11 +1030,23 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         g = resolve_group(opname, handle.group)
         returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
     else:  # the blocks go back to their senders as they came, one even all_to_all
-        returned = _even.all_to_all(back, handle.group, 0, 0)
-    # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's is.
-    spare = None if handle.capacity is None else handle.capacity
+        returned = _exchange_blocks(back, handle.group, resolve_group(opname, handle.group))
+    # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's
+    # is; skipped, where a pair may have dropped.
+    n_pairs = handle.tokens * handle.topk
+    if handle.capacity is None or not _drops(handle.capacity, n_pairs, handle.group_needed is not None):
+        spare = None
+    else:
+        spare = handle.capacity
     row_of = handle.row_of.view(handle.tokens, handle.topk)
-    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, handle.send_data)
+    # Static mode: which returned rows' gradients are zero. The spare rows alone (the
+    # last of each block) where a pair's gradient can stand in for the other empty
+    # slots', else every slot that carries no pair.
+    if handle.capacity is None:
+        zero = None
+    else:
+        zero = handle.capacity + 1 if _eager_rows(n_pairs) else handle.send_data
+    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, zero)
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -981,9 +1057,12 @@ class _WeightedSum(torch.autograd.Function):
     the weights' gradient is the same op's (``_embedding_bag_per_sample_weights_backward``,
     a dot product per entry); the rows' gradient, ``weights[t, j] * grad[t]`` at row
     ``row_of[t, j]`` and zero at the rows no entry reads, is a gather through the
-    inverse map, the pair each row carries (`pairs`, `data`: dispatch's ``send_pairs``
-    and ``send_data``), where autograd's adjoint is a zero fill of ``rows``' size and a
-    scatter-add.
+    inverse map, the pair each row carries (`pairs`: dispatch's ``send_pairs``), where
+    autograd's adjoint is a zero fill of ``rows``' size and a scatter-add. Static mode
+    (`zero` as in :class:`_Gather`'s `valid`) gives exactly zero to the rows that carry
+    no pair (a mask), or to the spare rows, the last of each block (an int, the block's
+    rows), and then any pair's gradient to the other slots that carry none: no one
+    reads them.
     """
 
     @staticmethod
@@ -994,7 +1073,7 @@ class _WeightedSum(torch.autograd.Function):
         weights: Tensor,
         skip: int | None,
         pairs: Tensor,
-        data: Tensor | None,
+        zero: Tensor | int | None,
     ) -> Tensor:
         tokens, k = row_of.shape
         flat = row_of.reshape(-1)
@@ -1003,7 +1082,8 @@ class _WeightedSum(torch.autograd.Function):
         out, offset2bag, _, _ = torch.ops.aten._embedding_bag(
             rows, flat, bags, False, 0, False, weights.reshape(-1), False, pad
         )
-        ctx.k, ctx.pad, ctx.static = k, pad, data is not None
+        ctx.k, ctx.pad = k, pad
+        ctx.masked, ctx.block = isinstance(zero, Tensor), zero if not isinstance(zero, Tensor) else None
         ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs)
         return out
 
@@ -1012,14 +1092,21 @@ class _WeightedSum(torch.autograd.Function):
         rows, flat, bags, offset2bag, weights, pairs = ctx.saved_tensors
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
-            g, w = grad, weights.reshape(-1)
-            if ctx.static:  # a row carrying no pair (T * k) reads a zero row and a zero weight:
-                # its gradient is zero, exactly, which combine's backward relies on
+            g, w, p = grad, weights.reshape(-1), pairs
+            # Row i carries pair pairs[i]: token pairs[i] // k's gradient times its weight.
+            # Static mode: a slot that carries none (pair T * k) reads a zero row and a zero
+            # weight (a mask), or the last pair's, with the spare rows zeroed after (a
+            # block). Either gives exactly zero where combine's backward relies on it (a
+            # receiver's empty layout rows read the spare rows).
+            if ctx.masked:
                 g, w = _with_zero_row(g), _with_zero_row(w)
-            # row i carries pair pairs[i]: token pairs[i] // k's gradient times its weight
+            elif ctx.block is not None:
+                p = pairs.clamp(max=w.shape[0] - 1)
             d_rows = torch.nn.functional.embedding_bag(
-                (pairs // ctx.k).view(-1, 1), g, mode="sum", per_sample_weights=w[pairs].view(-1, 1)
+                (p // ctx.k).view(-1, 1), g, mode="sum", per_sample_weights=w[p].view(-1, 1)
             )
+            if ctx.block is not None:
+                d_rows.view(-1, ctx.block, g.shape[1]).select(1, ctx.block - 1).zero_()
         if ctx.needs_input_grad[2]:
             d_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
                 grad, rows, flat, bags, offset2bag, 0, ctx.pad
@@ -1027,17 +1114,17 @@ class _WeightedSum(torch.autograd.Function):
         return d_rows, None, d_weights, None, None, None
 
 
-def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, data: Tensor | None) -> Tensor:
+def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, zero: Tensor | int | None) -> Tensor:
     """``rows[row_of.reshape(-1)]``, whose backward gathers through the pair each row carries.
 
     Autograd's backward of the ``index_select`` is a zero fill of ``rows``' size and an
     ``index_add_`` (0.56 ms of a 6.5 ms step of torchtitan's layer at 16384 tokens on
     an H200). Every row is read by at most one pair, so its gradient is that pair's
-    (`pairs`, `data`: dispatch's ``send_pairs`` and ``send_data``, as in
-    :class:`_WeightedSum`). A dropped pair reads the spare row no kept pair has, which
-    gets no gradient: the caller weights such entries by zero.
+    (`pairs`: dispatch's ``send_pairs``; static mode's `zero` as in
+    :class:`_WeightedSum`). A dropped pair reads a spare row, which no kept pair has
+    and which gets zero: the caller weights such entries by zero.
     """
-    return _Gather.apply(rows, row_of.reshape(-1), False, pairs, data, None)
+    return _Gather.apply(rows, row_of.reshape(-1), False, pairs, zero, None)
 
 
 def _weighted_sum(
@@ -1046,14 +1133,14 @@ def _weighted_sum(
     weights: Tensor,
     skip: int | None,
     pairs: Tensor,
-    data: Tensor | None,
+    zero: Tensor | int | None,
 ) -> Tensor:
     """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, over the j with ``row_of[t, j] != skip``.
 
     One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
     writes ``(T, H)``, with no ``(T, k, H)`` gather in between. Its backward is
-    :class:`_WeightedSum`'s gather through the pair each row carries (`pairs`,
-    `data`: dispatch's ``send_pairs`` and ``send_data``). Entries equal
+    :class:`_WeightedSum`'s gather through the pair each row carries (`pairs`:
+    dispatch's ``send_pairs``; `zero`: static mode's rows that carry none). Entries equal
     to `skip` (its ``padding_idx``) add nothing and get no gradient. That is the
     CPU's path (`_by_gather`). Dtypes it does not take (complex, integer) gather,
     mask and sum, and so does every device but the CPU: CUDA's embedding_bag
@@ -1065,8 +1152,8 @@ def _weighted_sum(
     """
     w = weights.to(rows.dtype)
     if rows.dtype.is_floating_point and not _by_gather(rows):
-        return _WeightedSum.apply(rows, row_of, w, skip, pairs, data)
-    per_pair = _rows_of_pairs(rows, row_of, pairs, data).view(*row_of.shape, rows.shape[1])
+        return _WeightedSum.apply(rows, row_of, w, skip, pairs, zero)
+    per_pair = _rows_of_pairs(rows, row_of, pairs, zero).view(*row_of.shape, rows.shape[1])
     if skip is not None:
         w = torch.where(row_of == skip, 0, w)
     return (per_pair * w.unsqueeze(-1)).sum(1)
