@@ -103,7 +103,8 @@ class MoEHandle:
         needed: int64 0-d: the capacity this rank needed to drop nothing, the most
             pairs it routed to one rank (static mode: compare with `capacity`).
         send_index: per row sent, the token it is (a padding slot of static mode:
-            ``T``, a zero row after x's rows).
+            ``T``, past x's rows: it sends zeros compiled and any row of x eager,
+            except each block's last, always zeros).
         recv_source: per row of ``recv``, the received row it holds (outside the
             experts' blocks: a zero row).
         back_index: per row combine sends back, the row of ``y`` it carries.
@@ -505,7 +506,7 @@ class _Gather(torch.autograd.Function):
         ctx: Any,
         t: Tensor,
         index: Tensor,
-        spare: bool,
+        spare: bool | int,
         back: Tensor,
         valid: Tensor | int | None,
         skip: int | None,
