@@ -1032,20 +1032,18 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
     else:  # the blocks go back to their senders as they came, one even all_to_all
         returned = _exchange_blocks(back, handle.group, resolve_group(opname, handle.group))
-    # Static mode: a dropped pair's row_of is the spare row of block 0, which no kept pair's
-    # is; skipped, where a pair may have dropped.
-    n_pairs = handle.tokens * handle.topk
-    if handle.capacity is None or not _drops(handle.capacity, n_pairs, handle.group_needed is not None):
-        spare = None
-    else:
-        spare = handle.capacity
     row_of = handle.row_of.view(handle.tokens, handle.topk)
-    # Static mode: which returned rows' gradients are zero. The spare rows alone (the
-    # last of each block) where a pair's gradient can stand in for the other empty
-    # slots', else every slot that carries no pair.
-    if handle.capacity is None:
-        zero = None
-    else:
+    n_pairs = handle.tokens * handle.topk
+    spare: int | None = None
+    zero: Tensor | int | None = None
+    if handle.capacity is not None:  # static mode (in exact mode every returned row carries a pair)
+        # A dropped pair's row_of is the spare row of block 0, which no kept pair's is;
+        # skipped, where a pair may have dropped.
+        dropless = handle.group_needed is not None
+        spare = handle.capacity if _drops(handle.capacity, n_pairs, dropless) else None
+        # Which returned rows' gradients are zero: the spare rows alone (the last of each
+        # block) where a pair's gradient can stand in for the other empty slots', else
+        # every slot that carries no pair.
         zero = handle.capacity + 1 if _eager_rows(n_pairs) else handle.send_data
     return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, zero)
 
