@@ -123,6 +123,11 @@ class MoEHandle:
             to one rank, read on the host (the same on every rank); None otherwise. The
             dispatch ran static mode if it was ``<=`` the group's largest capacity
             (then ``capacity`` is that one), exact mode otherwise.
+
+    ``dropped``, ``needed``, ``send_data``, ``recv_counts`` and ``kept`` are computed
+    when read (a small op or two each, every read): dispatch itself runs none of them,
+    so a layer that never reads them (torchtitan's) does not pay for them. They are
+    read-only properties, which a compiled graph traces where they are read.
     """
 
     mode: str
@@ -135,20 +140,47 @@ class MoEHandle:
     counts: Tensor
     offsets: Tensor
     ends: Tensor
-    dropped: Tensor
-    needed: Tensor
     send_index: Tensor
     recv_source: Tensor
     back_index: Tensor
     row_of: Tensor
     send_pairs: Tensor
-    send_data: Tensor | None = None
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
-    recv_counts: Tensor | None = None
-    kept: Tensor | None = None
     topk_weights: Tensor | None = None
     group_needed: int | None = None
+    # What the fields below are computed from, when they are read: a dispatcher that
+    # never reads them (torchtitan's) runs none of their ops. Static mode's own are
+    # None in exact mode.
+    _per_dest: Tensor | None = None  # (world,): the pairs this rank routed to each rank
+    _keep: Tensor | None = None  # static: (T * k,) whether each pair was sent; None: every one
+    _free: Tensor | None = None  # static: per row sent, whether it carries no pair
+    _recv_table: Tensor | None = None  # static: (world, E_local) rows received, by source and expert
+
+    @property
+    def dropped(self) -> Tensor:
+        if self._keep is None:
+            return self.counts.new_zeros(())
+        return self._keep.shape[0] - self._keep.sum()
+
+    @property
+    def needed(self) -> Tensor:
+        assert self._per_dest is not None
+        return self._per_dest.max()
+
+    @property
+    def send_data(self) -> Tensor | None:
+        return None if self._free is None else ~self._free
+
+    @property
+    def recv_counts(self) -> Tensor | None:
+        return None if self._recv_table is None else self._recv_table.sum(1)
+
+    @property
+    def kept(self) -> Tensor | None:
+        if self.mode == "exact" or self._keep is not None:
+            return self._keep
+        return self.counts.new_ones(self.tokens * self.topk, dtype=torch.bool)
 
 
 def _is_int(value: object) -> bool:
@@ -878,8 +910,8 @@ def dispatch(
         sent = per_dest if keep is None else wanted.clamp(max=cap)
         first = _exclusive(sent)
         i = torch.arange(block, device=device)
-        occupied = (i < sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds a pair
-        at = torch.where(occupied, (first.unsqueeze(1) + i).view(-1), n_pairs)
+        free = (i >= sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds no pair
+        at = torch.where(free, n_pairs, (first.unsqueeze(1) + i).view(-1))
         pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(0, at)  # T * k: none
         # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
         # row of block 0, which combine skips (no kept pair's slot is a spare row).
@@ -898,7 +930,6 @@ def dispatch(
             send_rows = _take(x, send_index, spare)
         if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
             per_dest = wanted
-    needed = per_dest.max()
     # Read at once by the layout's small ops (and exact mode's host read): waited here,
     # so that they run on a plain tensor, not each through a pending result's dispatch.
     recv_counts = wait(recv_counts)
@@ -918,7 +949,6 @@ def dispatch(
         recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
         source, dest_of, counts, offsets, ends = _expert_layout(recv_counts, n_in, rows, align)
         back_index = dest_of  # every received row is data: no index past the rows of y
-        dropped = torch.zeros((), dtype=torch.int64, device=device)
         extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
     else:
         n_in = world * block  # block s from source s: its kept pairs by expert, then zero rows
@@ -931,12 +961,7 @@ def dispatch(
         # row, if it holds data; otherwise any row of y (the last), or, if y has none, a
         # zero row (index 0). Combine reads back only the slots that carry a pair.
         back_index = dest_of.clamp(max=max(rows - 1, 0))
-        if keep is None:  # nothing dropped: it fit (dropless) or cannot drop
-            keep = torch.ones(n_pairs, dtype=torch.bool, device=device)
-            dropped = torch.zeros((), dtype=torch.int64, device=device)
-        else:
-            dropped = n_pairs - keep.sum()
-        extra = {"recv_counts": recv_counts.sum(1), "kept": keep}
+        extra = {"_keep": keep, "_free": free, "_recv_table": recv_counts}
     # The backward gathers each received row's gradient from its layout row. A block row
     # that holds no data (static mode) gets the last layout row's: its sender reads no gradient from it.
     if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
@@ -946,14 +971,13 @@ def dispatch(
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
-        dropped=dropped, needed=needed, topk_weights=topk_weights,
+        topk_weights=topk_weights,
         send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
         send_pairs=order if mode == "exact" else pair_of_slot,
-        send_data=None if mode == "exact" else occupied,
-        group_needed=group_needed, **extra,  # type: ignore[arg-type]
+        group_needed=group_needed, _per_dest=per_dest, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     if policy is not None and mode == "static":
-        policy._record(needed)
+        policy._record(per_dest.max())
     return out, handle
 
 

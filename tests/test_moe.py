@@ -181,7 +181,9 @@ def layer(case: Case, x: Tensor, idx: Tensor, w: Tensor, weights: Tensor, mode: 
     y.retain_grad()  # combine's backward: the rows outside the blocks get zero
     out = moe.combine(y, h) if given_at_dispatch(case) else moe.combine(y, h, w)
     # what ran: (mode, capacity, the group's need for mode="dropless", host reads)
-    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen, y, h.kept
+    # the handle's fields computed when read: (needed, recv_counts, send_data)
+    read = (h.needed, h.recv_counts, h.send_data)
+    return out, recv, h.counts, h.offsets, h.dropped, h.ends, seen, y, h.kept, read
 
 
 def run_case(case: Case, rank: int) -> dict[str, Any]:
@@ -194,7 +196,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
     if case.mode == "policy":  # two steps of the same batch through one policy
         assert case.capacity is not None
         policy = moe.Dropless(case.capacity)
-        out, recv, counts, offsets, dropped, ends, _, y, keep = policy.run(
+        out, recv, counts, offsets, dropped, ends, _, y, keep, read = policy.run(
             layer, case, x, idx, w, weights, policy
         )
         extra["step0"] = (policy.replays, policy.capacity, policy.needed)
@@ -204,7 +206,7 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped, ends, seen, y, keep = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends, seen, y, keep, read = layer(case, x, idx, w, weights, case.mode)
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
         if case.mode == "dropless":  # (mode run, capacity, group's need, host reads)
@@ -216,6 +218,9 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         "ends": ends,
         "dropped": dropped,
         "kept": keep,
+        "needed": read[0],
+        "recv_counts": read[1],
+        "send_data": read[2],
         "out": out.detach(),
         "dx": grads[0],
         "dw": grads[1],
@@ -397,8 +402,19 @@ def reference(case: Case) -> dict[str, Any]:
         loss = loss + (out * loss_w).sum()
     loss.backward()
     recvs, dys, counts, offsets, dropped, kepts = [], [], [], [], [], []
+    needs, recv_counts, send_data = [], [], []
     cap = case.k * case.tokens[0] if case.capacity is None else case.capacity
     for r in range(case.world):
+        # pairs rank r routes to each rank, before and after the capacity; each block
+        # carries the kept ones first, then cap + 1 - kept empty rows (static layouts)
+        dest = inputs[r][1].reshape(-1) // case.e_local
+        wanted = [int((dest == d).sum()) for d in range(case.world)]
+        needs.append(max(wanted))
+        sent = [int((dest[keeps[r].reshape(-1)] == d).sum()) for d in range(case.world)]
+        send_data.append([i < n for n in sent for i in range(cap + 1)])
+        recv_counts.append(
+            [int((inputs[s][1][keeps[s]] // case.e_local == r).sum()) for s in range(case.world)]
+        )
         blocks, dy, c, o, at = [], [], [], [], 0
         zero = torch.zeros(case.hidden, dtype=torch.float64)
         for e in range(r * case.e_local, (r + 1) * case.e_local):
@@ -443,6 +459,9 @@ def reference(case: Case) -> dict[str, Any]:
         "offsets": offsets,
         "dropped": dropped,
         "kept": kepts,
+        "needed": needs,
+        "recv_counts": recv_counts,
+        "send_data": send_data,
     }
 
 
@@ -489,8 +508,13 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         assert got["ends"].dtype == torch.int32 and got["ends"].tolist() == want_ends, where
         assert got["dropped"].dtype == torch.int64 and int(got["dropped"]) == ref["dropped"][r], where
         # a static layout (static mode, or dropless's static path, where every pair is kept)
+        assert got["needed"].dtype == torch.int64 and int(got["needed"]) == ref["needed"][r], where
         if got["kept"] is not None:
             assert got["kept"].tolist() == ref["kept"][r].tolist(), where
+            assert got["recv_counts"].tolist() == ref["recv_counts"][r], where
+            assert got["send_data"].tolist() == ref["send_data"][r], where
+        else:  # exact mode's layout: static mode's fields are None
+            assert got["recv_counts"] is None and got["send_data"] is None, where
         torch.testing.assert_close(got["out"], ref["out"][r], msg=lambda m, where=where: f"{where} out: {m}")
         torch.testing.assert_close(got["dx"], ref["dx"][r], msg=lambda m, where=where: f"{where} x.grad: {m}")
         torch.testing.assert_close(
