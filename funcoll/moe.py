@@ -911,11 +911,20 @@ def dispatch(
         first = _exclusive(sent)
         i = torch.arange(block, device=device)
         free = (i >= sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds no pair
-        at = torch.where(free, n_pairs, (first.unsqueeze(1) + i).view(-1))
-        pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(0, at)  # T * k: none
+        at = (first.unsqueeze(1) + i).view(-1)  # a free slot: some later pair, or past them
+        if _eager_rows(n_pairs):  # a free slot reads any pair, then holds none (T * k)
+            pair_of_slot = order.index_select(0, at.clamp_(max=n_pairs - 1)).masked_fill_(free, n_pairs)
+        else:  # `order` may have no pair to read: T * k read from one more entry
+            pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(
+                0, at.masked_fill_(free, n_pairs)
+            )
         # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
-        # row of block 0, which combine skips (no kept pair's slot is a spare row).
-        row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
+        # row of block 0, which combine skips (no kept pair's slot is a spare row); with
+        # none dropped, every pair's entry is written.
+        if keep is None:
+            row_of = torch.empty(n_pairs + 1, dtype=torch.int64, device=device)
+        else:
+            row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
         row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
         send_index = pair_of_slot // k  # an empty slot: T, past x's rows
         # An empty slot reads any row of x, and each block's spare row is zeroed (x is
