@@ -467,6 +467,29 @@ def _count(index: Tensor, n: int, weight: Tensor | None = None) -> Tensor:
     return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, ones)
 
 
+# Static mode's drop order counts each pair's rank within its destination with a
+# running count per destination, (pairs, world) entries, up to this many in eager
+# code; a sort by destination above it and compiled (O(pairs) memory, one more sort:
+# several kernels on CUDA). Compiled, the pairs may be an unbacked symbol, on which
+# no guard is possible, and the graph is the same for every count.
+_RUNNING_COUNT_LIMIT = 1 << 21
+
+
+def _rank_in_dest(dest: Tensor, world: int, wanted: Tensor) -> Tensor:
+    """Each pair's rank among this rank's pairs bound to its destination, token-major: 1 for the first.
+
+    `dest` ``(n,)`` each pair's destination rank, `wanted` ``(world,)`` the pairs
+    bound to each (`dest`'s counts).
+    """
+    n = dest.shape[0]
+    if not torch.compiler.is_compiling() and _is_int(n) and n * world <= _RUNNING_COUNT_LIMIT:
+        hits = dest.unsqueeze(1) == torch.arange(world, device=dest.device)  # (n, world) one-hot
+        return hits.cumsum(0).gather(1, dest.unsqueeze(1)).view(-1)
+    by_dest = torch.sort(dest, stable=True)  # token-major within each destination
+    ranks = torch.arange(1, n + 1, device=dest.device) - _exclusive(wanted)[by_dest.values]
+    return torch.empty_like(ranks).scatter_(0, by_dest.indices, ranks)
+
+
 def _exclusive(t: Tensor, dim: int = 0) -> Tensor:
     return torch.cumsum(t, dim) - t
 
@@ -874,12 +897,7 @@ def dispatch(
             dest = expert // e_local  # each pair's destination rank
             # pairs bound to each rank, before the capacity
             wanted = _count(dest, world) if given is None else given.view(world, e_local).sum(1)
-            pairs = torch.arange(n_pairs, device=device)
-            by_dest = torch.sort(dest, stable=True)  # token-major within each destination
-            position = torch.empty_like(pairs).scatter_(
-                0, by_dest.indices, pairs - _exclusive(wanted)[by_dest.values]
-            )  # the pair's place among this rank's pairs for its destination
-            keep = position < cap
+            keep = _rank_in_dest(dest, world, wanted) <= cap
     if keep is None:
         per_expert = _count(expert, num_experts) if given is None else given
     else:

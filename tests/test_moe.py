@@ -549,8 +549,12 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
 
 
 def run_gathered(rank: int, world: int, batch: list[Case]) -> list[dict[str, Any]]:
-    """The cases with bags of rows gathered, masked and summed: the path every device but the CPU takes."""
+    """The cases with bags of rows gathered, masked and summed: the path every device but the CPU takes.
+
+    Static mode's drop order also takes its path for many pairs (a sort by destination).
+    """
     moe._by_gather = lambda t: True  # this rank's process only
+    moe._RUNNING_COUNT_LIMIT = 0
     return [run_case(c, rank) for c in batch]
 
 
@@ -559,7 +563,8 @@ def test_gathered_bags_match_one_process() -> None:
 
     On the CPU the bags are one embedding_bag; here the cases of 3 ranks (every mode,
     drops, empty experts, padding to `align`) run with the path CUDA takes, whose
-    values and gradients must equal the single-process reference as the CPU path's do.
+    values and gradients must equal the single-process reference as the CPU path's do,
+    and with the drop order's sort (`moe._rank_in_dest` beyond its running count).
     """
     world = 3
     per_rank = run_ranks(run_gathered, world, CASES[world], timeout=TIMEOUT)
@@ -575,6 +580,23 @@ def test_gathered_bags_match_one_process() -> None:
                 torch.testing.assert_close(got[key], want, msg=lambda m, w=where, key=key: f"{w} {key}: {m}")
             mine = slice(r * case.e_local, (r + 1) * case.e_local)
             torch.testing.assert_close(got["dW"], ref["dW"][mine], msg=lambda m, w=where: f"{w} W.grad: {m}")
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 0], ids=["running-count", "sort"])
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_rank_in_dest(monkeypatch: pytest.MonkeyPatch, limit: int, n: int) -> None:
+    """moe._rank_in_dest, both paths, against a count pair by pair (destinations with no pair)."""
+    monkeypatch.setattr(moe, "_RUNNING_COUNT_LIMIT", limit)
+    world = 4
+    dest = torch.randint(0, world - 1, (n,), generator=torch.Generator().manual_seed(n))  # rank 3 gets none
+    seen = [0] * world
+    want = []
+    for d in dest.tolist():
+        seen[d] += 1
+        want.append(seen[d])
+    wanted = torch.bincount(dest, minlength=world)
+    got = moe._rank_in_dest(dest, world, wanted)
+    assert got.dtype == torch.int64 and got.tolist() == want
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["embedding_bag", "gathered"])
