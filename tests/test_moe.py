@@ -206,7 +206,9 @@ def run_case(case: Case, rank: int) -> dict[str, Any]:
         extra["step1"] = (policy.replays, policy.capacity, policy.needed)
         extra["out1"] = again.detach()
     else:
-        out, recv, counts, offsets, dropped, ends, seen, y, keep, read = layer(case, x, idx, w, weights, case.mode)
+        out, recv, counts, offsets, dropped, ends, seen, y, keep, read = layer(
+            case, x, idx, w, weights, case.mode
+        )
         (out * loss_w).sum().backward()
         grads = (x.grad, w.grad, weights.grad)
         if case.mode == "dropless":  # (mode run, capacity, group's need, host reads)
