@@ -12,7 +12,8 @@ parameters and tokens in bf16, built once per dispatcher from the same weights
 
 - ``titan``: torchtitan's ``AllToAllTokenDispatcher`` (``spmd_backend="partial_dtensor"``);
 - ``funcoll exact`` / ``static`` (capacity factor 1.25) / ``dropless`` (from
-  1.25): ``funcoll.integrations.torchtitan.FuncollTokenDispatcher``;
+  1.25) / ``dropless 1.0`` (the default factor: on one rank the dropless bound
+  ``T * k``): ``funcoll.integrations.torchtitan.FuncollTokenDispatcher``;
 - ``..., compiled``: exact and static under ``torch.compile(fullgraph=True)``
   (inductor), compiled before the timed steps.
 

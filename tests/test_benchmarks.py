@@ -63,6 +63,7 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
         "torchtitan layer: funcoll exact": 1,
         "torchtitan layer: funcoll static": 0,
         "torchtitan layer: funcoll dropless": 1,
+        "torchtitan layer: funcoll dropless 1.0": 1,
     }
     assert moe == (recipe | layer if importlib.util.find_spec("torchtitan") else recipe), moe
     overlap = [r for r in data["records"] if r["family"] == "overlap"]
@@ -102,5 +103,12 @@ def test_torchtitan_cuda_smoke_run() -> None:
     rows = _table("bench_torchtitan_cuda.py", "--quick")
     reads = {r[2]: int(r[7]) for r in rows}
     # torchtitan's dispatcher reads its splits twice; exact mode once; static never; dropless once a step
-    assert reads == {"titan": 2, "funcoll exact": 1, "funcoll static": 0, "funcoll dropless": 1}, rows
+    want = {
+        "titan": 2,
+        "funcoll exact": 1,
+        "funcoll static": 0,
+        "funcoll dropless": 1,
+        "funcoll dropless 1.0": 1,
+    }
+    assert reads == want, rows
     assert all(float(r[3]) > 0 and float(r[9]) < 2e-2 for r in rows), rows  # bf16 against titan's output
