@@ -145,14 +145,14 @@ class MoEHandle:
     back_index: Tensor
     row_of: Tensor
     send_pairs: Tensor
+    _per_dest: Tensor  # (world,): the pairs this rank routed to each rank, for `needed`
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
     topk_weights: Tensor | None = None
     group_needed: int | None = None
-    # What the fields below are computed from, when they are read: a dispatcher that
-    # never reads them (torchtitan's) runs none of their ops. Static mode's own are
-    # None in exact mode.
-    _per_dest: Tensor | None = None  # (world,): the pairs this rank routed to each rank
+    # What the properties below are computed from, when they are read: a dispatcher
+    # that never reads them (torchtitan's) runs none of their ops. Static mode's own
+    # are None in exact mode.
     _keep: Tensor | None = None  # static: (T * k,) whether each pair was sent; None: every one
     _free: Tensor | None = None  # static: per row sent, whether it carries no pair
     _recv_table: Tensor | None = None  # static: (world, E_local) rows received, by source and expert
@@ -165,7 +165,6 @@ class MoEHandle:
 
     @property
     def needed(self) -> Tensor:
-        assert self._per_dest is not None
         return self._per_dest.max()
 
     @property
