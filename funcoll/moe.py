@@ -1003,7 +1003,7 @@ def dispatch(
         group_needed=group_needed, _per_dest=per_dest, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     if policy is not None and mode == "static":
-        policy._record(per_dest.max())
+        policy._record(handle.needed)
     return out, handle
 
 
