@@ -107,9 +107,12 @@ class MoEHandle:
             except each block's last, always zeros).
         recv_source: per row of ``recv``, the received row it holds (outside the
             experts' blocks: a zero row).
-        back_index: per row combine sends back, the row of ``y`` it carries.
+        back_index: per row combine sends back, the row of ``y`` it carries (static
+            mode: past y's rows for a row that carries none, which sends any row of y,
+            except each block's last, always zeros).
         row_of: per (token, choice) pair, token-major, the returned row holding its
-            output (dropped: row `capacity`, the spare row of block 0, which combine skips).
+            output (dropped: row `capacity`, the spare row of block 0, always zeros,
+            which combine weights by zero).
         send_pairs: per row sent, the (token, choice) pair ``t * k + j`` it carries
             (static mode: ``T * k`` for a slot that carries none).
         send_data: static mode: bool, per row sent, whether it carries a pair; None
@@ -535,9 +538,9 @@ class _Gather(torch.autograd.Function):
     scatter-add, is a gather through the inverse map. The backward is that gather,
     one pass that writes each gradient row once:
 
-    - `back` ``(len(t), k)`` with `skip`: row i's gradient is the sum of the
-      gradient rows ``back[i]`` other than `skip` (a token's k copies, dropped
-      pairs skipped);
+    - `back` ``(len(t), k)``: row i's gradient is the sum of the gradient rows
+      ``back[i]`` (a token's k copies; a dropped pair names a spare row, whose
+      gradient is zero);
     - `back` ``(len(t),)`` with `valid` None: row i's gradient is gradient row ``back[i]``;
     - `back` ``(len(t),)`` with `valid` a mask: the same where ``valid[i]``, zero elsewhere;
     - `back` ``(len(t),)`` with `valid` an int ``b`` (static mode's blocks): the same,
@@ -546,11 +549,10 @@ class _Gather(torch.autograd.Function):
 
     The caller guarantees the inverse: every output row that reads a data row of
     `t` is listed for it in `back`. A row of `t` that is not data (a zero row of
-    the wire: an empty slot, a spare row) gets zero where `valid` or `skip` say
-    so. With `valid` None it gets the gradient row `back` names, which the caller
-    makes zero (combine's empty layout rows name the spare row, whose gradient is
-    exactly zero) or leaves unread (dispatch's empty block rows name the last layout row: each
-    sender gathers its tokens' gradient from its data slots alone). So the
+    the wire: an empty slot, a spare row) gets zero where `valid` says so. With
+    `valid` None it gets the gradient row `back` names, which the caller makes zero
+    (combine's empty layout rows name the spare row, whose gradient is exactly zero)
+    or leaves unread. So the
     gradient of the op's inputs is autograd's, bit for bit up to the order of
     each row's sum.
     """
@@ -563,9 +565,7 @@ class _Gather(torch.autograd.Function):
         spare: bool | int,
         back: Tensor,
         valid: Tensor | int | None,
-        skip: int | None,
     ) -> Tensor:
-        ctx.skip = skip
         ctx.masked = isinstance(valid, Tensor)
         ctx.block = None if ctx.masked else valid
         ctx.save_for_backward(back, valid if ctx.masked else back)
@@ -575,14 +575,14 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         back, valid = ctx.saved_tensors
         if back.dim() == 2:
-            out = _sum_bags(grad, back, ctx.skip)
+            out = _sum_bags(grad, back)
         elif ctx.masked:
             out = _take_valid(grad, back, valid)
         elif ctx.block is None:  # every row of t is data
             out = grad.index_select(0, back)
         else:  # (the caller gives a block only where grad has a row: `_eager_rows`)
             out = _take(grad, back, ctx.block)
-        return out, None, None, None, None, None
+        return out, None, None, None, None
 
 
 # Bags of rows, summed. On the CPU one embedding_bag, 2-4x faster than a gather, a
@@ -598,15 +598,17 @@ def _by_gather(t: Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def _sum_bags(t: Tensor, bags: Tensor, skip: int | None) -> Tensor:
-    """``out[i] = sum_j t[bags[i, j]]`` over the j with ``bags[i, j] != skip``: ``(n, k) -> (n, *R)``."""
+def _sum_bags(t: Tensor, bags: Tensor) -> Tensor:
+    """``out[i] = sum_j t[bags[i, j]]``: ``(n, k) -> (n, *R)``.
+
+    No entry is skipped (no ``padding_idx``): with one, the CPU's embedding_bag leaves
+    its fast kernel, 2.4-2.8x the time (torch 2.13, 1024-4096 bags of 2, 256-1024
+    features). A caller whose entry adds nothing names a zero row.
+    """
     if not _by_gather(t):
-        return torch.nn.functional.embedding_bag(bags, t, mode="sum", padding_idx=skip)
+        return torch.nn.functional.embedding_bag(bags, t, mode="sum")
     n, k = bags.shape
-    rows = t.index_select(0, bags.reshape(-1)).view(n, k, *t.shape[1:])
-    if skip is not None:
-        rows = rows.masked_fill_((bags == skip).view(n, k, *([1] * (t.dim() - 1))), 0)
-    return rows.sum(1)
+    return t.index_select(0, bags.reshape(-1)).view(n, k, *t.shape[1:]).sum(1)
 
 
 def _take_valid(t: Tensor, index: Tensor, valid: Tensor) -> Tensor:
@@ -914,7 +916,7 @@ def dispatch(
     if mode == "exact":
         row_of = _inverse(order)
         send_index = order // k
-        send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None, None)
+        send_rows = _Gather.apply(x, send_index, False, row_of.view(tokens, k), None)
     if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
         per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
     if mode == "static":
@@ -936,8 +938,8 @@ def dispatch(
                 0, at.masked_fill_(free, n_pairs)
             )
         # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
-        # row of block 0, which combine skips (no kept pair's slot is a spare row); with
-        # none dropped, every pair's entry is written.
+        # row of block 0 (zeros, which combine weights by zero; no kept pair's slot is a
+        # spare row); with none dropped, every pair's entry is written.
         if keep is None:
             row_of = torch.empty(n_pairs + 1, dtype=torch.int64, device=device)
         else:
@@ -947,11 +949,11 @@ def dispatch(
         # An empty slot reads any row of x, and each block's spare row is zeroed (x is
         # not copied with a zero row), unless x has no row to read.
         spare: bool | int = block if _eager_rows(tokens) else True
-        # Its backward sums each token's kept slots (one bag of k, dropped pairs
-        # skipped; none on dropless's static path): a gather, not a scatter into zeros.
+        # Its backward sums each token's slots (one bag of k): a gather, not a scatter
+        # into zeros. A dropped pair's is the spare row of block 0, whose gradient is
+        # zero (the layout's backward zeroes the spare rows).
         if x.dtype.is_floating_point:
-            skip = cap if keep is not None else None
-            send_rows = _Gather.apply(x, send_index, spare, row_of.view(tokens, k), None, skip)
+            send_rows = _Gather.apply(x, send_index, spare, row_of.view(tokens, k), None)
         else:
             send_rows = _take(x, send_index, spare)
         if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
@@ -984,16 +986,20 @@ def dispatch(
         recv = _exchange_blocks(send_rows, group, g)
         source, dest_of, counts, offsets, ends = _block_layout(recv_counts, block, rows, align)
         # The rows combine sends back, as the blocks came: block row q carries its layout
-        # row, if it holds data; otherwise any row of y (the last), or, if y has none, a
-        # zero row (index 0). Combine reads back only the slots that carry a pair.
-        back_index = dest_of.clamp(max=max(rows - 1, 0))
+        # row, if it holds data; otherwise an index past y's rows, which combine's gather
+        # clamps (any row of y; each block's spare row zeros), or, if y has none, reads
+        # as a zero row (index 0). Combine reads back only the slots that carry a pair
+        # and the spare row of block 0.
+        back_index = dest_of if rows > 0 else dest_of.clamp(max=0)
         extra = {"_keep": keep, "_free": free, "_recv_table": recv_counts}
     # The backward gathers each received row's gradient from its layout row. A block row
-    # that holds no data (static mode) gets the last layout row's: its sender reads no gradient from it.
+    # that holds no data (static mode) gets the last layout row's, unread by its sender,
+    # except the spare rows, zero: a dropped pair's names its sender's spare row.
     if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
         out = _take(recv, source, spare=False)
     else:
-        out = _Gather.apply(recv, source, mode == "exact" and align > 1, back_index, None, None)
+        blocks = block if mode == "static" else None
+        out = _Gather.apply(recv, source, mode == "exact" and align > 1, back_index, blocks)
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
@@ -1074,8 +1080,13 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         data = handle.recv_source < handle.back_index.shape[0]
     else:
         data = None
-    no_rows = handle.mode == "static" and rows == 0  # y has no row: the slots read a zero row
-    back = _Gather.apply(y, handle.back_index, no_rows, handle.recv_source, data, None)
+    # Static mode: every block's spare row is zero (a dropped pair reads block 0's),
+    # and its other empty rows any row of y; if y has no row, every row reads a zero row.
+    if handle.capacity is None:
+        spare: bool | int = False
+    else:
+        spare = handle.capacity + 1 if rows > 0 else True
+    back = _Gather.apply(y, handle.back_index, spare, handle.recv_source, data)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
         g = resolve_group(opname, handle.group)
@@ -1084,23 +1095,22 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         returned = _exchange_blocks(back, handle.group, resolve_group(opname, handle.group))
     row_of = handle.row_of.view(handle.tokens, handle.topk)
     n_pairs = handle.tokens * handle.topk
-    spare: int | None = None
+    skip: int | None = None
     zero: Tensor | int | None = None
     if handle.capacity is not None:  # static mode (in exact mode every returned row carries a pair)
-        # A dropped pair's row_of is the spare row of block 0, which no kept pair's is;
-        # skipped, where a pair may have dropped.
+        # A dropped pair's row_of is the spare row of block 0 (zeros), which no kept
+        # pair's is; weighted by zero, where a pair may have dropped.
         dropless = handle.group_needed is not None
-        spare = handle.capacity if _drops(handle.capacity, n_pairs, dropless) else None
+        skip = handle.capacity if _drops(handle.capacity, n_pairs, dropless) else None
         # Which returned rows' gradients are zero: the spare rows alone (the last of each
         # block) where a pair's gradient can stand in for the other empty slots', else
         # every slot that carries no pair.
         zero = handle.capacity + 1 if _eager_rows(n_pairs) else handle.send_data
-    return _weighted_sum(returned, row_of, topk_weights, spare, handle.send_pairs, zero)
+    return _weighted_sum(returned, row_of, topk_weights, skip, handle.send_pairs, zero)
 
 
 class _WeightedSum(torch.autograd.Function):
-    """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]`` (entries equal to `skip` add
-    nothing), whose backward gathers.
+    """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, whose backward gathers.
 
     Forward: one ``embedding_bag`` (sum, per-sample weights), as autograd's. Backward:
     the weights' gradient is the same op's (``_embedding_bag_per_sample_weights_backward``,
@@ -1120,18 +1130,17 @@ class _WeightedSum(torch.autograd.Function):
         rows: Tensor,
         row_of: Tensor,
         weights: Tensor,
-        skip: int | None,
         pairs: Tensor,
         zero: Tensor | int | None,
     ) -> Tensor:
         tokens, k = row_of.shape
         flat = row_of.reshape(-1)
         bags = torch.arange(0, tokens * k, k, device=row_of.device)
-        pad = -1 if skip is None else skip
+        # No padding_idx (-1): with one, the CPU's kernel leaves its fast path (`_sum_bags`).
         out, offset2bag, _, _ = torch.ops.aten._embedding_bag(
-            rows, flat, bags, False, 0, False, weights.reshape(-1), False, pad
+            rows, flat, bags, False, 0, False, weights.reshape(-1), False, -1
         )
-        ctx.k, ctx.pad = k, pad
+        ctx.k = k
         ctx.masked, ctx.block = isinstance(zero, Tensor), zero if not isinstance(zero, Tensor) else None
         ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs)
         return out
@@ -1158,9 +1167,9 @@ class _WeightedSum(torch.autograd.Function):
                 d_rows.view(-1, ctx.block, g.shape[1]).select(1, ctx.block - 1).zero_()
         if ctx.needs_input_grad[2]:
             d_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad, rows, flat, bags, offset2bag, 0, ctx.pad
+                grad, rows, flat, bags, offset2bag, 0, -1
             ).view(weights.shape)
-        return d_rows, None, d_weights, None, None, None
+        return d_rows, None, d_weights, None, None
 
 
 def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, zero: Tensor | int | None) -> Tensor:
@@ -1173,7 +1182,7 @@ def _rows_of_pairs(rows: Tensor, row_of: Tensor, pairs: Tensor, zero: Tensor | i
     :class:`_WeightedSum`). A dropped pair reads a spare row, which no kept pair has
     and which gets zero: the caller weights such entries by zero.
     """
-    return _Gather.apply(rows, row_of.reshape(-1), False, pairs, zero, None)
+    return _Gather.apply(rows, row_of.reshape(-1), False, pairs, zero)
 
 
 def _weighted_sum(
@@ -1189,20 +1198,25 @@ def _weighted_sum(
     One ``embedding_bag`` (sum, per-sample weights): it reads the rows it sums and
     writes ``(T, H)``, with no ``(T, k, H)`` gather in between. Its backward is
     :class:`_WeightedSum`'s gather through the pair each row carries (`pairs`:
-    dispatch's ``send_pairs``; `zero`: static mode's rows that carry none). Entries equal
-    to `skip` (its ``padding_idx``) add nothing and get no gradient. That is the
-    CPU's path (`_by_gather`). Dtypes it does not take (complex, integer) gather,
-    mask and sum, and so does every device but the CPU: CUDA's embedding_bag
-    kernels are slow for these bags (see `_by_gather`), and CUDA has no bfloat16
-    kernel for the weights' gradient (``_embedding_bag_per_sample_weights_backward_cuda``
-    raised NotImplementedError on torch 2.11, H100). The ``(T, k, H)`` gather is then
-    kept for the backward, as a dispatcher that weights its rows that way keeps it,
-    and the rows' gradient gathers through the pair each row carries (`_rows_of_pairs`).
+    dispatch's ``send_pairs``; `zero`: static mode's rows that carry none). Entries
+    equal to `skip` (a dropped pair's: the spare row of block 0, zeros) are weighted
+    by zero, so that they add exactly nothing, whatever the weight, and get no
+    gradient. Not embedding_bag's ``padding_idx``: the CPU's kernel leaves its fast
+    path for one (`_sum_bags`).
+
+    That is the CPU's path (`_by_gather`). Dtypes it does not take (complex,
+    integer) gather, mask and sum, and so does every device but the CPU: CUDA's
+    embedding_bag kernels are slow for these bags (see `_by_gather`), and CUDA has no
+    bfloat16 kernel for the weights' gradient
+    (``_embedding_bag_per_sample_weights_backward_cuda`` raised NotImplementedError on
+    torch 2.11, H100). The ``(T, k, H)`` gather is then kept for the backward, as a
+    dispatcher that weights its rows that way keeps it, and the rows' gradient
+    gathers through the pair each row carries (`_rows_of_pairs`).
     """
     w = weights.to(rows.dtype)
-    if rows.dtype.is_floating_point and not _by_gather(rows):
-        return _WeightedSum.apply(rows, row_of, w, skip, pairs, zero)
-    per_pair = _rows_of_pairs(rows, row_of, pairs, zero).view(*row_of.shape, rows.shape[1])
     if skip is not None:
         w = torch.where(row_of == skip, 0, w)
+    if rows.dtype.is_floating_point and not _by_gather(rows):
+        return _WeightedSum.apply(rows, row_of, w, pairs, zero)
+    per_pair = _rows_of_pairs(rows, row_of, pairs, zero).view(*row_of.shape, rows.shape[1])
     return (per_pair * w.unsqueeze(-1)).sum(1)

@@ -40,7 +40,7 @@ from funcoll.testing import count_host_reads, in_flight, run_ranks
 WORLDS = (2, 3, 4)
 SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "moe_layer.py"
 TIMEOUT = 180.0
-ROUTINGS = ("uniform", "skewed", "one_expert", "zero_experts")
+ROUTINGS = ("uniform", "skewed", "one_expert", "first_expert", "zero_experts")
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,9 @@ def cases(world: int) -> list[Case]:
         c(world, equal, 5, 2, 2, 1, "static", "uniform"),  # capacity None: dropless
         c(world, ragged, 3, 1, 4, 4, "static", "skewed", capacity=2),  # drops
         c(world, ragged, 4, 2, 1, 1, "static", "one_expert", capacity=3),  # drops, T=0 on a rank
+        # drops, and rank 0's layout is full: its last row, where a dropped pair's
+        # gradient would come from if the spare rows' were not zero, carries data
+        c(world, equal, 4, 2, 1, 1, "static", "first_expert", capacity=3),
         c(world, equal, 5, 1, 2, 4, "static", "zero_experts"),
         c(world, ragged, 3, 2, 2, 4, "static", "uniform", capacity=0),  # everything dropped
         c(world, (63, *ragged[1:]), 30, 2, 2, 4, "exact", "skewed"),  # odd sizes
@@ -124,6 +127,8 @@ def routing(case: Case, t: int, g: torch.Generator) -> Tensor:
         return torch.multinomial(probs.expand(t, e), case.k, replacement=False, generator=g)
     if case.routing == "one_expert":  # every choice of every token: the last expert
         return torch.full((t, case.k), e - 1, dtype=torch.int64)
+    if case.routing == "first_expert":  # every choice of every token: expert 0, rank 0's
+        return torch.zeros(t, case.k, dtype=torch.int64)
     # zero_experts: only the even experts get tokens, with repeats allowed
     return 2 * torch.randint(0, (e + 1) // 2, (t, case.k), generator=g)
 
@@ -148,13 +153,17 @@ def expert_weights(case: Case) -> Tensor:
 
 
 def run_experts(recv: Tensor, counts: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
-    """Each local expert's block of `recv` through its weight, the rest zeros (a grouped GEMM, by hand)."""
+    """Each local expert's block of `recv` through its weight (a grouped GEMM, by hand).
+
+    The rows outside the blocks are NaN, as a grouped GEMM leaves them unwritten:
+    combine must read none of them into a token's output.
+    """
     pieces, at = [], 0
     # Host reads in the test itself: the experts' loop bounds.
     for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=True)):
-        pieces += [recv[at:o] * 0, recv[o : o + c] @ weights[e]]
+        pieces += [torch.full_like(recv[at:o], torch.nan), recv[o : o + c] @ weights[e]]
         at = o + c
-    pieces.append(recv[at:] * 0)
+    pieces.append(torch.full_like(recv[at:], torch.nan))
     return torch.cat(pieces)
 
 
@@ -603,17 +612,14 @@ def test_rank_in_dest(monkeypatch: pytest.MonkeyPatch, limit: int, n: int) -> No
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["embedding_bag", "gathered"])
 def test_bag_helpers(monkeypatch: pytest.MonkeyPatch, gathered: bool) -> None:
-    """moe._sum_bags and moe._take_valid, both paths, against row-by-row sums (skips, invalid rows, no rows)."""
+    """moe._sum_bags and moe._take_valid, both paths, against row-by-row sums (repeated rows, invalid rows, no rows)."""
     monkeypatch.setattr(moe, "_by_gather", lambda t: gathered)
     g = torch.Generator().manual_seed(5)
     t = torch.randn(7, 3, dtype=torch.float64, generator=g)
     bags = torch.randint(0, 7, (5, 2), generator=g)
-    bags[1, 0] = bags[3, 1] = 6  # the skip
-    want = torch.stack(
-        [sum((t[j] for j in row.tolist() if j != 6), torch.zeros(3, dtype=t.dtype)) for row in bags]
-    )
-    torch.testing.assert_close(moe._sum_bags(t, bags, 6), want, rtol=0, atol=1e-15)
-    torch.testing.assert_close(moe._sum_bags(t, bags, None), t[bags].sum(1), rtol=0, atol=1e-15)
+    bags[1] = 4  # one row twice in a bag
+    want = torch.stack([sum((t[j] for j in row.tolist()), torch.zeros(3, dtype=t.dtype)) for row in bags])
+    torch.testing.assert_close(moe._sum_bags(t, bags), want, rtol=0, atol=1e-15)
     index = torch.tensor([3, 0, 6, 0, 2])
     valid = torch.tensor([True, False, True, False, True])
     want = torch.where(valid[:, None], t[index], 0)
