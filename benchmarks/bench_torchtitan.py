@@ -39,7 +39,9 @@ Two expert forms (``--experts``):
   part of the step than on this CPU).
 
 A step is the layer's forward on ``T`` tokens per rank and the backward of its
-output's sum. Every method is timed interleaved over `rounds` rounds (each the
+output's sum, down to the tokens: the input requires grad, as every MoE layer's
+but a model's first does, so the backward runs the dispatch's (the tokens'
+gradient sent back to their ranks) as well as the combine's. Every method is timed interleaved over `rounds` rounds (each the
 median of `iters` barrier-fenced steps after a warm-up, the slowest rank's time);
 a row's time is the median over rounds, its ratio the median over rounds of the
 round's time over the ``titan`` row's in the same round (same world, ``T`` and
@@ -145,6 +147,7 @@ def dispatchers(e: int) -> dict[str, Any]:
 
 def _step(fn: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
     layer.zero_grad(set_to_none=True)
+    x.grad = None
     out = fn(x)
     out.sum().backward()
     return out
@@ -166,7 +169,7 @@ def _body(
     configs = dispatchers(4 * world)
     rows = []
     for t in tokens:
-        x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10 + rank))
+        x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10 + rank)).requires_grad_()
         methods = {}
         for name, cfg in configs.items():
             layer = _layer(world, rank, cfg, mesh, experts)

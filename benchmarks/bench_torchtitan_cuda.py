@@ -26,7 +26,8 @@ column is the step over copying the routed rows (``T * K`` rows of ``D``) device
 to device four times: dispatch and combine each move them once forward and once
 backward, so a dispatcher that only copied, with no router, would measure 1.0.
 
-A step is the layer's forward and the backward of its output's sum. Times: the
+A step is the layer's forward and the backward of its output's sum, down to the
+input, which requires grad (as every MoE layer's but a model's first). Times: the
 median over `iters` steps after two warm-ups, each timed from the host with
 ``torch.cuda.synchronize()`` after it; every method's steps interleaved over
 `rounds` rounds, the median of the rounds. Host syncs per step: CUDA's own
@@ -96,7 +97,7 @@ def _methods(experts: str, compile_: bool) -> dict[str, tuple[Any, Any]]:
 
 
 def _bench(t: int, experts: str, rounds: int, iters: int, compile_: bool) -> list[dict[str, Any]]:
-    x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, BF16)
+    x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(10)).to(DEVICE, BF16).requires_grad_()
     methods = _methods(experts, compile_)
     src, dst = x.new_ones(t * K, D), x.new_empty(t * K, D)  # the routed rows
     copy_ms = gpu_median_ms(lambda: [dst.copy_(src) for _ in range(4)], iters)
