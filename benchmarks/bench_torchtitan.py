@@ -41,13 +41,14 @@ Two expert forms (``--experts``):
 A step is the layer's forward on ``T`` tokens per rank and the backward of its
 output's sum, down to the tokens: the input requires grad, as every MoE layer's
 but a model's first does, so the backward runs the dispatch's (the tokens'
-gradient sent back to their ranks) as well as the combine's. Every method is timed interleaved over `rounds` rounds (each the
-median of `iters` barrier-fenced steps after a warm-up, the slowest rank's time);
-a row's time is the median over rounds, its ratio the median over rounds of the
-round's time over the ``titan`` row's in the same round (same world, ``T`` and
-expert form), with the range of those per-round ratios. Host reads per step (``Tensor.tolist`` / ``.item``
-calls, forward and backward; each a device-to-host sync on CUDA) are counted in
-one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
+gradient sent back to their ranks) as well as the combine's. Every method is
+timed interleaved over `rounds` rounds (each the median of `iters`
+barrier-fenced steps after a warm-up, the slowest rank's time); a row's time is
+the median over rounds, its ratio the median over rounds of the round's time
+over the ``titan`` row's in the same round (same world, ``T`` and expert form),
+with the range of those per-round ratios. Host reads per step
+(``Tensor.tolist`` / ``.item`` calls, forward and backward; each a
+device-to-host sync on CUDA) are counted in one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
 twice per layer, which the count does not include.
 
 ``--reuse-memory`` keeps each rank's freed host memory for reuse

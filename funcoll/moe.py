@@ -552,9 +552,8 @@ class _Gather(torch.autograd.Function):
     the wire: an empty slot, a spare row) gets zero where `valid` says so. With
     `valid` None it gets the gradient row `back` names, which the caller makes zero
     (combine's empty layout rows name the spare row, whose gradient is exactly zero)
-    or leaves unread. So the
-    gradient of the op's inputs is autograd's, bit for bit up to the order of
-    each row's sum.
+    or leaves unread. So the gradient of the op's inputs is autograd's, bit for bit
+    up to the order of each row's sum.
     """
 
     @staticmethod
@@ -1083,10 +1082,11 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         data = None
     # Static mode: every block's spare row is zero (a dropped pair reads block 0's),
     # and its other empty rows any row of y; if y has no row, every row reads a zero row.
-    if handle.capacity is None:
+    block = None if handle.capacity is None else handle.capacity + 1  # a block's rows
+    if block is None:
         spare: bool | int = False
     else:
-        spare = handle.capacity + 1 if rows > 0 else True
+        spare = block if rows > 0 else True
     back = _Gather.apply(y, handle.back_index, spare, handle.recv_source, data)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
@@ -1098,7 +1098,7 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
     n_pairs = handle.tokens * handle.topk
     skip: int | None = None
     zero: Tensor | int | None = None
-    if handle.capacity is not None:  # static mode (in exact mode every returned row carries a pair)
+    if block is not None:  # static mode (in exact mode every returned row carries a pair)
         # A dropped pair's row_of is the spare row of block 0 (zeros), which no kept
         # pair's is; weighted by zero, where a pair may have dropped.
         dropless = handle.group_needed is not None
@@ -1106,7 +1106,7 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         # Which returned rows' gradients are zero: the spare rows alone (the last of each
         # block) where a pair's gradient can stand in for the other empty slots', else
         # every slot that carries no pair.
-        zero = handle.capacity + 1 if _eager_rows(n_pairs) else handle.send_data
+        zero = block if _eager_rows(n_pairs) else handle.send_data
     return _weighted_sum(returned, row_of, topk_weights, skip, handle.send_pairs, zero)
 
 
