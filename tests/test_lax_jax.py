@@ -64,11 +64,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-pytest.importorskip("jax")
+pytest.importorskip("jax")  # and numpy, which jax requires
 
+import numpy as np
 import torch
 from _inputs import once_per_world
 
