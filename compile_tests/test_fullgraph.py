@@ -19,7 +19,9 @@ generates (``run_and_get_code``) must call each collective the graph tests expec
 (``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
 ``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
 The release matrix's smoke run (``_ops.SMOKE``) compiles every case on aot_eager
-and one case per argument set (``at_scale``) on inductor.
+and one case per argument set (``at_scale``) on inductor. The ``at_scale`` cases
+also compile on the "eager" backend (dynamo alone), whose gradients are the traced
+autograd.Functions' own.
 
 All cases of one world run in one ``run_ranks`` call (``_ops.run_batch``) and the
 tests read its results; cases with a known funcoll bug run in calls of their own.
@@ -273,6 +275,30 @@ def _inductor_params() -> list:
 @pytest.mark.parametrize(("case", "dynamic"), _inductor_params())
 def test_inductor_matches_eager_and_reference(case: OpCase, dynamic: bool | None) -> None:
     _check_case(_inductor_results(case), case, INDUCTOR_WORLD, ("compiled", dynamic))
+
+
+def _eager_backend_params() -> list:
+    return [
+        pytest.param(case, id=f"w2-{case.id}", marks=_xfail_known(case))
+        for case in _cases_for(2)
+        if case.at_scale
+    ]
+
+
+@pytest.mark.parametrize("case", _eager_backend_params())
+def test_eager_backend_matches_eager_and_reference(case: OpCase) -> None:
+    """backend="eager" (dynamo alone, autograd as in eager code): the debugging backend.
+
+    Its gradients come from the traced autograd.Functions themselves, not from AOT
+    autograd: on torch 2.11 they were zero for every primitive until ``_prims._run``
+    returned a view of ``wait_tensor``'s result (``_prims._ALIAS_WAIT``).
+    """
+    if case.id in KNOWN_BUGS:
+        results = _results(2, (case.id,), "eager", (None,), False, timeout=KNOWN_BUG_TIMEOUT_S)
+    else:
+        batch = tuple(c.id for c in _cases_for(2) if c.at_scale and c.id not in KNOWN_BUGS)
+        results = _results(2, batch, "eager", (None,), False)
+    _check_case(results, case, 2, ("compiled", None))
 
 
 @pytest.mark.parametrize("case", [CASES_BY_ID[c] for c in INDUCTOR_WORLD3_CASES], ids=lambda c: f"w3-{c.id}")

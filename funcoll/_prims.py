@@ -53,6 +53,15 @@ _F = torch.ops._c10d_functional
 Stats = tuple[IntLike, IntLike, IntLike]
 
 
+# Dynamo 2.11 on the "eager" backend (dynamo alone, no AOT autograd) drops the gradient
+# of an autograd.Function whose forward returns ``wait_tensor``'s result itself: the
+# input's gradient came back zero, for every primitive, and for a bare Function around
+# ``all_reduce`` and ``wait_tensor``. A view of it (``aten.alias``: no copy, no kernel)
+# keeps the gradient. aot_eager and inductor were right on 2.11, and every backend is
+# from 2.12 on (compile_tests/test_fullgraph.py, the eager-backend case).
+_ALIAS_WAIT = torch.__version__ < "2.12"
+
+
 def _run(
     collective: str, group_name: str, issue: Callable[[str], Tensor], step: str = "", *, defer: bool = True
 ) -> Tensor:
@@ -85,7 +94,8 @@ def _run(
         out = issue(wire_name(group_name))
         if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
             return _faults.wait(out, _faults.traced_op(), collective, group_name, step)
-        return _F.wait_tensor(out)
+        y = _F.wait_tensor(out)
+        return torch.ops.aten.alias(y) if _ALIAS_WAIT else y
     _async.drain()  # a gloo collective kept in flight is waited before the next one runs
     try:
         with torch._C._AutoDispatchBelowAutograd():
