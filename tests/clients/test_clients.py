@@ -90,6 +90,12 @@ def tp_members(rank: int, world: int) -> list[int]:
 B, D = 2, 4
 
 
+# torch 2.11's CPU scaled_dot_product_attention dies with SIGFPE on a tensor with no
+# head (its flash kernel; the math backend and torch 2.12 on are right): a rank that
+# holds none skips it there, as a model on that release must (docs/support.md).
+_SDPA_DIES_ON_NO_HEAD = torch.__version__ < "2.12"
+
+
 class DistributedAttention(nn.Module):
     """Sequence shards (B, S_r, H, D) in, sequence shards out; attention runs on head shards."""
 
@@ -104,7 +110,10 @@ class DistributedAttention(nn.Module):
         heads = funcoll.split_sizes(self.num_heads, world)
         # (B, S_r, H, D) -> (B, S, H_r, D): scatter heads, gather the sequence
         q, k, v = (funcoll.all_to_all(t, self.spg, 2, 1, gather_sizes=seq) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if q.shape[2] == 0 and _SDPA_DIES_ON_NO_HEAD:  # this rank holds no head: nothing to attend
+            o = (q + k + v).transpose(1, 2)  # (B, 0, S, D), in the graph of q, k and v
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         # (B, S, H_r, D) -> (B, S_r, H, D): scatter the sequence, gather heads
         return funcoll.all_to_all(o.transpose(1, 2), self.spg, 1, 2, gather_sizes=heads)
 
