@@ -202,6 +202,11 @@ def _moe(worlds: list[int], tokens: list[float], iters: int, rounds: int, on: Se
     if importlib.util.find_spec("torchtitan") is None:
         print("moe: torchtitan's layer skipped (pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3)\n")
         return records
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11: its dispatchers call it
+        print(
+            f"moe: torchtitan's layer skipped (torchtitan 0.3.0 needs torch 2.12; this is {torch.__version__})\n"
+        )
+        return records
     for experts in bench_torchtitan.EXPERTS:  # its GroupedExperts, then a scale (the dispatch is the step)
         for world in worlds:
             layer_tokens = [int(t) for t in tokens if t <= TITAN_MAX_TOKENS]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 FAMILIES = (
@@ -65,7 +66,9 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
         "torchtitan layer: funcoll dropless": 1,
         "torchtitan layer: funcoll dropless 1.0": 1,
     }
-    assert moe == (recipe | layer if importlib.util.find_spec("torchtitan") else recipe), moe
+    # torchtitan 0.3.0 runs from torch 2.12 on (run.py skips its layer on 2.11, as test_torchtitan does)
+    titan = importlib.util.find_spec("torchtitan") and hasattr(torch.compiler, "_is_non_strict_tracing")
+    assert moe == (recipe | layer if titan else recipe), moe
     overlap = [r for r in data["records"] if r["family"] == "overlap"]
     assert {r["impl"] for r in overlap} >= {"funcol all_gather", "funcoll.all_gather"}, overlap
     assert {r["layout"] for r in overlap} == {"eager, sleep", "eager, matmul"}
