@@ -48,8 +48,9 @@ the median over rounds, its ratio the median over rounds of the round's time
 over the ``titan`` row's in the same round (same world, ``T`` and expert form),
 with the range of those per-round ratios. Host reads per step
 (``Tensor.tolist`` / ``.item`` calls, forward and backward; each a
-device-to-host sync on CUDA) are counted in one step. torchtitan's dispatcher also copies its splits with ``.to("cpu")``
-twice per layer, which the count does not include.
+device-to-host sync on CUDA) are counted in one step. torchtitan's dispatcher
+also copies its splits with ``.to("cpu")`` twice per layer, which the count
+does not include.
 
 ``--reuse-memory`` keeps each rank's freed host memory for reuse
 (``_timing.reuse_freed_memory``), as a GPU's caching allocator does: without it,

@@ -58,7 +58,7 @@ Stats = tuple[IntLike, IntLike, IntLike]
 # input's gradient came back zero, for every primitive, and for a bare Function around
 # ``all_reduce`` and ``wait_tensor``. A view of it (``aten.alias``: no copy, no kernel)
 # keeps the gradient. aot_eager and inductor were right on 2.11, and every backend is
-# from 2.12 on (compile_tests/test_fullgraph.py, the eager-backend case).
+# right from 2.12 on (compile_tests/test_fullgraph.py, the eager-backend case).
 _ALIAS_WAIT = torch.__version__ < "2.12"
 
 
