@@ -74,7 +74,22 @@ def pad_rows(x: Tensor, n_out: IntLike) -> Tensor:
     if kernels is not None:
         return _PadRows.apply(x, n_out, kernels)
     torch._check(n_out - x.shape[0] >= 0)
-    return torch.cat([x, x.new_zeros((n_out - x.shape[0], *x.shape[1:]))])
+    return zero_rows_after(x, n_out - x.shape[0])
+
+
+def zero_rows_after(x: Tensor, n: IntLike) -> Tensor:
+    """`x` followed by `n` zero rows: ``(m, *R) -> (m + n, *R)`` (a copy).
+
+    A constant pad, not ``torch.cat([x, zeros])``: inductor's decomposition of
+    ``cat`` drops an operand whose static size is 0, so on a rank whose `x` is
+    empty by its static shape (no tokens, no rows to send) the result would be
+    a constant of the graph. In a backward, `x` is the gradient: the collective
+    that sends the result would then not depend on the gradient, and AOT
+    autograd's partitioner moves it into the forward graph, on that rank alone.
+    ``constant_pad_nd`` keeps `x` in the graph on every rank
+    (compile_tests/test_rank_shapes.py).
+    """
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, n))
 
 
 def pack_reference(

@@ -76,6 +76,7 @@ from ._config import checks_enabled
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
 from ._header import host_ints
+from ._rows import zero_rows_after
 
 __all__ = ["MODES", "Dropless", "MoEHandle", "combine", "dispatch"]
 
@@ -525,8 +526,8 @@ def _take(t: Tensor, index: Tensor, spare: bool | int | torch.SymInt | torch.Sym
 
 
 def _with_zero_row(t: Tensor) -> Tensor:
-    """`t` with one zero row after its rows (a copy)."""
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+    """`t` with one zero row after its rows (a copy; kept in the graph when `t` is empty)."""
+    return zero_rows_after(t, 1)
 
 
 class _Gather(torch.autograd.Function):
