@@ -19,16 +19,19 @@ Example::
     results = run_ranks(body, world=3)   # one result per rank
 
 :func:`count_host_reads` counts the host reads of a block of code, the
-device-to-host syncs it would make on a GPU.
+device-to-host syncs it would make on a GPU. :func:`collective_mismatch` says
+whether the collectives that each rank's compiled graphs issue pair up.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import sys
 import tempfile
@@ -45,10 +48,15 @@ import torch.distributed as dist
 from . import _async, _group
 
 __all__ = [
+    "Collective",
     "HostReads",
     "RankError",
+    "code_collectives",
+    "collective_mismatch",
+    "compiled_collectives",
     "count_host_reads",
     "gloo_worker_threads",
+    "graph_collectives",
     "group_of",
     "in_flight",
     "launch",
@@ -458,3 +466,151 @@ def count_host_reads() -> Iterator[HostReads]:
         yield reads
     finally:
         torch.Tensor.item, torch.Tensor.tolist = saved  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled graph, by what must agree between ranks (see :func:`collective_mismatch`).
+
+    ``op``: the ``_c10d_functional`` op (``"all_gather_into_tensor"``, ...);
+    ``group``: the c10d group (:func:`group_of` of its name); ``shape``: the
+    result's shape, where the graph says it; ``send`` / ``recv``: all_to_all_single's
+    input and output split sizes (None elsewhere). A size the graph holds as a
+    symbol (an exchanged, unbacked size) is None.
+    """
+
+    op: str
+    group: str
+    shape: tuple[int | None, ...] | None = None
+    send: tuple[int | None, ...] | None = None
+    recv: tuple[int | None, ...] | None = None
+
+
+def _agree(a: tuple[int | None, ...] | None, b: tuple[int | None, ...] | None) -> bool:
+    """Whether two sizes can be the same: None (not known to the graph: symbolic) matches anything."""
+    if a is None or b is None:
+        return True
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b, strict=True))
+
+
+def _ints(sizes: Any) -> tuple[int | None, ...]:
+    return tuple(s if type(s) is int else None for s in sizes)
+
+
+def _collective(op: str, group: str, shape: Any, args: list[Any]) -> Collective:
+    """A Collective from an op's name, group name, result shape and arguments (all_to_all: splits 1, 2)."""
+    a2a = op == "all_to_all_single"
+    return Collective(op, group_of(group), None if shape is None else _ints(shape),
+                      _ints(args[2]) if a2a else None, _ints(args[1]) if a2a else None)  # fmt: skip
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> list[Collective]:
+    """The collectives of an FX graph (an AOT backend's forward or backward), in node order.
+
+    For a backend built with ``aot_autograd``: call it from the `fw_compiler` and
+    `bw_compiler` on the graph they receive, which is what runs.
+    """
+    out = []
+    for n in gm.graph.nodes:
+        op = n.target.__name__.split(".")[0] if n.op == "call_function" else ""
+        if getattr(n.target, "namespace", None) == "_c10d_functional" and not op.startswith("wait"):
+            val = n.meta.get("val")
+            out.append(
+                _collective(
+                    op, str(n.args[-1]), val.shape if isinstance(val, torch.Tensor) else None, list(n.args)
+                )
+            )
+    return out
+
+
+_CODE_CALL = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
+_CODE_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), ")
+
+
+def _literal(node: ast.expr) -> Any:
+    """A constant, or a list of them; None for a buffer or a symbol (an unbacked size)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e) for e in node.elts]
+    return None
+
+
+def code_collectives(code: str) -> list[Collective]:
+    """The collectives of one graph's inductor-generated code, in the order its ``call`` issues them."""
+    shapes: dict[str, Any] = {}
+    calls = []
+    for line in code[code.index("def call(") :].splitlines():
+        if m := _CODE_SIZE.match(line):
+            shapes[m.group(1)] = _literal(ast.parse(line.strip(), mode="eval").body.args[1])  # type: ignore[attr-defined]
+        elif (m := _CODE_CALL.match(line)) and not m.group(2).startswith("wait"):
+            args = [_literal(a) for a in ast.parse(f"f({m.group(3)})", mode="eval").body.args]  # type: ignore[attr-defined]
+            calls.append((m.group(1), m.group(2), args))
+    return [_collective(op, next(a for a in reversed(args) if isinstance(a, str)), shapes.get(buf), args)
+            for buf, op, args in calls]  # fmt: skip
+
+
+@contextlib.contextmanager
+def compiled_collectives() -> Iterator[list[list[Collective]]]:
+    """The collectives of every graph inductor compiles inside the block, one list per graph, in order.
+
+    Read from the generated code (:func:`code_collectives`), after every pass, so
+    they are what runs, in the order it runs (inductor's overlap passes included).
+    A compiled step's forward graph comes first, its backward's when the backward
+    first runs. Inductor's FX graph cache is off inside the block, so that a graph
+    found in the cache is generated (and read) again. Compare the ranks' lists,
+    phase by phase, with :func:`collective_mismatch`. ::
+
+        with compiled_collectives() as graphs:
+            loss = torch.compile(step, fullgraph=True)(batch)
+            loss.backward()
+        return graphs                 # [forward's, backward's], from each rank of run_ranks
+    """
+    from unittest import mock
+
+    from torch._inductor import config
+    from torch._inductor.graph import GraphLowering
+
+    graphs: list[list[Collective]] = []
+    with (
+        config.patch(fx_graph_cache=False),
+        mock.patch.object(
+            GraphLowering, "save_output_code", lambda code: graphs.append(code_collectives(code))
+        ),
+    ):
+        yield graphs
+
+
+def collective_mismatch(per_rank: list[list[Collective]]) -> str | None:
+    """Where the ranks' collectives would not pair up; None where they do.
+
+    `per_rank` holds each rank's collectives in the order it issues them (its
+    compiled graphs' generated code, forward then backward). The k-th of every
+    rank must be the same op on the same group; an all_gather, reduce_scatter,
+    all_reduce or broadcast must have the same shape; an all_to_all_single the same
+    row shape, and what rank r receives from rank j must be what rank j sends to
+    rank r. A rank whose k-th collective differs would pair it with another's:
+    a backend abort on gloo, a hang or garbage on NCCL. Returns a message naming
+    the first such collective and the ranks.
+    """
+    world = len(per_rank)
+    counts = [len(s) for s in per_rank]
+    for k in range(min(counts)):
+        calls = [s[k] for s in per_rank]
+        c0 = calls[0]
+        a2a = c0.op == "all_to_all_single"
+        for r, c in enumerate(calls):
+            rows = (lambda s: s) if not a2a else (lambda s: None if s is None else s[1:])
+            if (c.op, c.group) != (c0.op, c0.group) or not _agree(rows(c.shape), rows(c0.shape)):
+                return f"collective {k}: rank 0 issues {c0}, rank {r} issues {c}"
+        if a2a and all(c.send is not None and c.recv is not None for c in calls):
+            for r in range(world):
+                for j in range(world):
+                    got, sent = calls[r].recv[j], calls[j].send[r]  # type: ignore[index]
+                    if not _agree((got,), (sent,)):
+                        return (
+                            f"collective {k}: rank {r} expects {got} rows from rank {j}, which sends {sent}"
+                        )
+    if len(set(counts)) > 1:
+        return f"the ranks issue different numbers of collectives: {counts}"
+    return None
