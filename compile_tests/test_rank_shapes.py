@@ -1,0 +1,244 @@
+"""Every rank issues the same collectives, whatever its local static shapes: the recorded sequences.
+
+A program that does not mark its ragged lengths (``mark_ragged``) compiles one
+static graph per rank per shape, each on its own: a rank that holds 0 rows traces
+another graph than a rank that holds 4, and AOT autograd's partitioner and
+inductor's passes run on each graph apart. funcoll's collectives must pair up all
+the same, forward and backward: a collective that one rank issues and another
+does not (or issues elsewhere in its step) is a backend abort on gloo and a hang
+or garbage on NCCL.
+
+Each case compiles a step (``fullgraph=True``) on every rank with that rank's
+inputs and runs it forward and backward. The collectives each rank's graphs
+issue are read from what runs: aot_eager's partitioned forward and backward
+graphs, in node order; inductor's generated code, in the order of its ``call``
+(after every pass, the overlap passes' moves included).
+:func:`funcoll.testing.collective_mismatch` compares the ranks' sequences: the
+same op and group at every position, the same shape where the op needs it, and
+all_to_all splits that pair up. Three compilers: aot_eager; inductor; inductor
+with its compute/communication overlap passes (sink waits, raise comms, reorder
+compute), which move collectives and waits per graph.
+
+The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
+0 rows at every world size, ``_ops.ragged_sizes``), and ``funcoll.moe`` dispatch and
+combine in exact, static and dropless modes, with one rank routing 0 tokens (the
+case that failed: on that rank inductor's ``cat`` decomposition dropped the empty
+gradient, and the partitioner moved combine's backward all_to_all into the forward
+graph). Outputs and gradients are also compared with the single-process reference.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _ops import CASES, CASES_BY_ID, STOPPED, reference_grads, reference_outputs, run_batch, run_case
+
+import funcoll
+from funcoll.testing import Collective, collective_mismatch, compiled_collectives, graph_collectives
+
+WORLDS = (2, 3)
+COMPILERS = ("aot_eager", "inductor", "inductor-overlap")
+OVERLAP_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
+# Inductor compiles C++ kernels for each graph: the cases whose backward builds its
+# send buffers (padding, packing, the MoE layouts), each path once. aot_eager runs every case.
+INDUCTOR_CASES = (
+    "reduce_scatter-ragged-sizes-dim0",
+    "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2",
+    "gather_forward_split_backward-ragged-x_nx5-dim0",
+    "gather-auto-ragged-x_nx5-dim0",
+    "gather-pad-ragged-x_nx5-dim0",
+    "gather-shift-ragged-x_nx5-dim0",
+    "all_gather_ragged-ragged-x3x_n-dim1",
+    "all_to_all_v-recv-exchanged-x_nx5",
+    "gather_padded-x4x5-dim0",
+    "all_to_all_padded-xw3x5-dim0",
+)
+# Dropless mode compiles as one of these (moe.Dropless runs the static graph, then exact on an overflow).
+MOE_MODES = ("exact", "static")
+TIMEOUT = 900.0
+
+
+# ------------------------------------------------------------------------------- MoE
+MOE_K, MOE_E_LOCAL, MOE_D = 2, 2, 4
+
+
+def _moe_tokens(rank: int, world: int) -> int:
+    return 0 if rank == world - 1 else 3 + 2 * rank  # the last rank routes no token
+
+
+def _moe_inputs(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = _moe_tokens(rank, world)
+    gen = torch.Generator().manual_seed(1000 * world + rank)
+    x = torch.randn(t, MOE_D, generator=gen, dtype=torch.float64)
+    experts = torch.arange(t).unsqueeze(1) * 3 + rank + torch.tensor([0, 1])
+    return x, experts % (MOE_E_LOCAL * world)
+
+
+def _moe_step(mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        n_experts = MOE_E_LOCAL * funcoll.axis_size(None)
+        capacity = 2 * MOE_K if mode != "exact" else None  # drops pairs on the busiest rank: static's masks
+        recv, h = funcoll.moe.dispatch(x, idx, n_experts, mode=mode, capacity=capacity)
+        rows = torch.arange(recv.shape[0], device=recv.device)
+        local = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)
+        y = recv * (1 + local).unsqueeze(1).to(recv.dtype)  # local expert e scales its rows by 1 + e
+        return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
+
+    return step
+
+
+# ------------------------------------------------------------------------- rank side
+def _compiler(name: str) -> tuple[str, dict[str, Any]]:
+    if name == "inductor-overlap":
+        return "inductor", {"reorder_for_compute_comm_overlap": True,
+                            "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
+    return name, {}
+
+
+def _compiled(fn: Callable[[], dict[str, Any]], compiler: str) -> dict[str, Any]:
+    """Run `fn` (a compiled step, forward and backward; it compiles) and read its graphs' collectives."""
+    from torch._inductor import config
+
+    _, patch = _compiler(compiler)
+    try:
+        with config.patch(patch), compiled_collectives() as graphs:
+            result = fn()
+    except Exception:  # noqa: BLE001 -- reported by the test, with the other ranks' errors
+        return {"error": traceback.format_exc(limit=-8)}
+    if "error" in result:
+        return result
+    return {"result": result, "graphs": _GRAPHS.pop("graphs", []) if compiler == "aot_eager" else graphs}
+
+
+# aot_eager's partitioned graphs' collectives, as the compiler functions receive them (forward, then backward)
+_GRAPHS: dict[str, list[list[Collective]]] = {}
+
+
+def _aot_eager() -> Any:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def compiler(gm: torch.fx.GraphModule, _: Any) -> Callable[..., Any]:
+        _GRAPHS.setdefault("graphs", []).append(graph_collectives(gm))
+        return gm.forward
+
+    return aot_autograd(
+        fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition
+    )
+
+
+def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
+    compiler, case_id = key.split("|", 1)
+    torch._dynamo.reset()
+    _GRAPHS.clear()
+    backend: Any = _aot_eager() if compiler == "aot_eager" else "inductor"
+    if case_id.startswith("moe-"):
+        step = torch.compile(_moe_step(case_id.removeprefix("moe-")), fullgraph=True, backend=backend)
+
+        def moe() -> dict[str, Any]:
+            x, idx = _moe_inputs(rank, world)
+            x.requires_grad_()
+            y = step(x, idx)
+            (y * 1.5).sum().backward()
+            return {"outputs": [y.detach()], "grads": [x.grad]}
+
+        return {"run": _compiled(moe, compiler)}
+    case = CASES_BY_ID[case_id]
+    fn = torch.compile(case.call, fullgraph=True, backend=backend)
+    return {"run": _compiled(lambda: run_case(case, rank, world, fn), compiler)}
+
+
+def _keys(world: int) -> list[str]:
+    keys = [f"aot_eager|{c.id}" for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
+    if world == 2:  # suite time: 3 ranks add a rank of nonzero length to these, not a new path
+        keys += [f"{comp}|{cid}" for comp in COMPILERS[1:] for cid in INDUCTOR_CASES]
+    keys += [f"{comp}|moe-{mode}" for comp in COMPILERS for mode in MOE_MODES]
+    return keys
+
+
+_BATCHES: dict[int, list[dict[str, Any]]] = {}
+
+
+def _batch(world: int) -> list[dict[str, Any]]:
+    if world not in _BATCHES:
+        _BATCHES[world] = run_batch(_one_case, world, _keys(world), timeout=TIMEOUT)
+    return _BATCHES[world]
+
+
+def _moe_reference(mode: str, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's (y, x.grad): its tokens scaled by the experts' 1 + e and the weights, dropped pairs zero."""
+    capacity = 2 * MOE_K if mode == "static" else None
+    sent = [[0] * world for _ in range(world)]
+    out = []
+    for r in range(world):
+        x, idx = _moe_inputs(r, world)
+        keep = torch.ones(idx.shape, dtype=torch.bool)
+        if capacity is not None:  # static mode keeps each destination's first `capacity` pairs in token order
+            for t in range(idx.shape[0]):
+                for j in range(MOE_K):
+                    dest = int(idx[t, j]) // MOE_E_LOCAL
+                    keep[t, j] = sent[r][dest] < capacity
+                    sent[r][dest] += 1
+        scale = (1 + idx % MOE_E_LOCAL).to(x.dtype) * torch.tensor([0.5, 0.25], dtype=x.dtype) * keep
+        factor = scale.sum(1, keepdim=True)
+        out.append((x * factor, (1.5 * factor).expand_as(x)))
+    return out
+
+
+# -------------------------------------------------------------------------------- tests
+def _params() -> list[Any]:
+    return [
+        pytest.param(world, key, id=f"w{world}-{key.replace('|', '-')}")
+        for world in WORLDS
+        for key in _keys(world)
+    ]
+
+
+@pytest.mark.parametrize(("world", "key"), _params())
+def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
+    per_rank = _batch(world)
+    if any(key not in r for r in per_rank):
+        pytest.fail(f"the batch stopped before {key}: {per_rank[0].get(STOPPED)}")
+    runs = [r[key]["run"] for r in per_rank]
+    errors = [f"rank {r}:\n{run['error']}" for r, run in enumerate(runs) if "error" in run]
+    assert not errors, "\n".join(errors)
+    # One forward and one backward graph on every rank (fullgraph), each checked apart: a
+    # backward collective that one rank issues in its forward would pair with whatever
+    # collective its peers issue next (another layer's forward), not with their backward's.
+    case_id = key.split("|", 1)[1]
+    phases = (
+        ("forward",)
+        if not case_id.startswith("moe-") and CASES_BY_ID[case_id].grad == "none"
+        else ("forward", "backward")
+    )
+    assert [len(run["graphs"]) for run in runs] == [len(phases)] * world, [len(run["graphs"]) for run in runs]
+    for phase, name in enumerate(phases):
+        mismatch = collective_mismatch([run["graphs"][phase] for run in runs])
+        assert mismatch is None, f"{name}: {mismatch}"
+    assert any(runs[0]["graphs"]), "no collective recorded"
+    if case_id.startswith("moe-"):
+        for r, ((y, g), run) in enumerate(zip(_moe_reference(case_id[4:], world), runs, strict=True)):
+            torch.testing.assert_close(run["result"]["outputs"][0], y, msg=lambda m, r=r: f"rank {r} y: {m}")
+            torch.testing.assert_close(
+                run["result"]["grads"][0], g, msg=lambda m, r=r: f"rank {r} x.grad: {m}"
+            )
+        return
+    case = CASES_BY_ID[case_id]
+    outs = reference_outputs(case, world)
+    grads = reference_grads(case, world) if case.grad != "none" else None
+    for r, run in enumerate(runs):
+        got = run["result"]
+        for i, want in enumerate(outs[r]):
+            if want is not None and got["outputs"][i] is not None:
+                torch.testing.assert_close(
+                    got["outputs"][i], want, msg=lambda m, r=r, i=i: f"rank {r} out {i}: {m}"
+                )
+        if grads is not None:
+            for i, want in enumerate(grads[r]):
+                torch.testing.assert_close(
+                    got["grads"][i], want, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}"
+                )
