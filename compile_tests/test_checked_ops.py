@@ -8,10 +8,12 @@ agree get what the unchecked eager op gives, and the graph holds one more
 all_gather and the host read; ranks that disagree raise the same ``ValueError``
 as eager, on every rank. The static ops, checked, read their counts header on the
 host (``funcoll::check_counts``) instead of asserting on the device, and raise the
-same ``ValueError`` compiled as eager. Checked, the header exchange is waited by
-``funcoll::wait``, which carries the op's name for a failure's message
-(tests/test_faults.py runs the failures), and every data collective by the bare
-``wait_tensor`` that inductor's overlap passes move.
+same ``ValueError`` compiled as eager. Checked, every data collective follows a
+header of its own that says what it is (``funcoll::check_table`` reads it), so
+that ranks whose graphs issue different collectives raise instead of pairing
+them. The header exchanges are waited by ``funcoll::wait``, which carries the
+op's name for a failure's message (tests/test_faults.py runs the failures), and
+every data collective by the bare ``wait_tensor`` that inductor's overlap passes move.
 """
 
 from __future__ import annotations
@@ -124,20 +126,26 @@ def test_checked_op_compiles_with_its_check_and_matches_unchecked(op: str) -> No
         got = res[op]
         torch.testing.assert_close(got["checked"], got["unchecked"], rtol=0, atol=0)
         counts = collective_counts(got["graph"])
-        data = 1 if op.startswith("all_gather") else 0  # the op's own all_gather, beside the header's
-        assert counts.get(AG, 0) == data + 1, f"rank {rank}: {counts}"
+        data = 1 if op.startswith("all_gather") else 0  # the op's own all_gather, beside the headers
+        # the op's header, then one before each data collective (what it is: check_collective)
+        assert counts.get(AG, 0) == data + 1 + counts.get("wait_tensor", 0), f"rank {rank}: {counts}"
         reads = [c["op"] for c in got["graph"] if c["op"].startswith("funcoll.host_ints")]
         assert len(reads) == 1, f"rank {rank}: the header read is not in the graph"
         _waits_name_the_op(got["graph"], counts, op, rank)
 
 
 def _waits_name_the_op(graph: list[dict[str, Any]], counts: dict[str, int], op: str, rank: int) -> None:
-    """Checked: the one header exchange is waited by ``funcoll::wait`` carrying the public op's name,
-    every data collective by the bare ``wait_tensor`` (movable)."""
+    """Checked: the header exchanges (the op's, and one before each data collective: every
+    collective the op issues that is not waited by ``funcoll::wait``) are waited by
+    ``funcoll::wait`` carrying the public op's name, and each data collective's header is
+    read by ``funcoll::check_table``; every data collective is waited by the bare
+    ``wait_tensor`` (movable)."""
     waits = [c["args"] for c in graph if c["op"].startswith("funcoll.wait")]
     issued = sum(n for name, n in counts.items() if name != "wait_tensor")
-    assert len(waits) == 1, f"rank {rank}: {len(waits)} named waits, not the header's one: {counts}"
-    assert counts.get("wait_tensor", 0) == issued - 1, f"rank {rank}: data collectives' waits: {counts}"
+    data = counts.get("wait_tensor", 0)
+    checks = [c for c in graph if c["op"].startswith("funcoll.check_table")]
+    assert len(checks) == data, f"rank {rank}: {len(checks)} collective checks, {data} data: {counts}"
+    assert len(waits) == issued - data, f"rank {rank}: {len(waits)} named waits: {counts}"
     assert all(args[1] == op for args in waits), f"rank {rank}: {[args[1:] for args in waits]}"
 
 

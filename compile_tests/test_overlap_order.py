@@ -10,9 +10,9 @@ single-process reference. Ordering is checked, never time
 (benchmarks/bench_overlap.py measures it).
 
 Under ``funcoll.set_checks(True)`` the even ops first exchange a header and read
-it on the host: the data collective must be issued only after that read (the
-check runs before the data it checks travels), and its wait must still come
-after the matmul.
+it on the host, then the header of the data collective itself: the data
+collective must be issued only after those reads (the check runs before the data
+it checks travels), and its wait must still come after the matmul.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def _positions(code: str) -> dict[str, list[int]]:
         "mm": find("extern_kernels.mm("),
         "wait": find("_c10d_functional.wait_tensor"),
         "check": find("funcoll.host_ints"),
+        "table": find("funcoll.check_table"),
     }
 
 
@@ -129,11 +130,15 @@ def test_wait_comes_after_independent_matmul(compiled: list[dict[str, Any]], nam
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_checked_data_travels_after_the_check(compiled: list[dict[str, Any]], name: str) -> None:
-    """The header's host read comes before the data collective, whatever the passes raise."""
+    """The header's host read comes before the data collective, whatever the passes raise.
+
+    So does the data collective's own header (what it is) and its read, after the op's.
+    """
     code = compiled[0][f"{name}-checked"]["code"]
     pos = _positions(code)
-    assert len(pos["issue"]) == 2 and len(pos["check"]) == 1, f"{pos}\n{code}"
-    header, data = pos["issue"]
-    assert header < pos["check"][0] < data, (
-        f"header at {header}, read at {pos['check']}, data at {data}:\n{code}"
+    assert len(pos["issue"]) == 3 and len(pos["check"]) == 1 and len(pos["table"]) == 1, f"{pos}\n{code}"
+    header, what, data = pos["issue"]
+    assert header < pos["check"][0] < what < pos["table"][0] < data, (
+        f"header at {header}, read at {pos['check']}, collective's header at {what}, read at "
+        f"{pos['table']}, data at {data}:\n{code}"
     )

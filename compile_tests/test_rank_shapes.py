@@ -24,7 +24,13 @@ The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 combine in exact, static and dropless modes, with one rank routing 0 tokens (the
 case that failed: on that rank inductor's ``cat`` decomposition dropped the empty
 gradient, and the partitioner moved combine's backward all_to_all into the forward
-graph). Outputs and gradients are also compared with the single-process reference.
+graph), and two independent ragged ops in one step, which nothing but the graph's
+order keeps in step. Outputs and gradients are also compared with the
+single-process reference.
+
+With ``funcoll.set_checks(True)``, a mismatch is the same ``ValueError`` on every
+rank: the fix above undone (the ``cat``), two MoE layers compiled on inductor,
+and every rank raises, naming what each was about to issue.
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ import torch
 from _ops import CASES, CASES_BY_ID, STOPPED, reference_grads, reference_outputs, run_batch, run_case
 
 import funcoll
-from funcoll.testing import Collective, collective_mismatch, compiled_collectives, graph_collectives
+from funcoll.testing import (
+    Collective,
+    collective_mismatch,
+    compiled_collectives,
+    graph_collectives,
+    run_ranks,
+)
 
 WORLDS = (2, 3)
 COMPILERS = ("aot_eager", "inductor", "inductor-overlap")
@@ -89,6 +101,17 @@ def _moe_step(mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
 
     return step
+
+
+# Two independent ragged ops in one step: nothing orders their collectives but the graph's
+# order, which inductor's overlap passes must keep the same on every rank.
+def _pair_step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return funcoll.gather(x), funcoll.all_gather_ragged(x * 2)[0]
+
+
+def _pair_input(rank: int, world: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7 * world + rank)
+    return torch.randn(_moe_tokens(rank, world), 3, generator=gen, dtype=torch.float64)
 
 
 # ------------------------------------------------------------------------- rank side
@@ -147,6 +170,16 @@ def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
             return {"outputs": [y.detach()], "grads": [x.grad]}
 
         return {"run": _compiled(moe, compiler)}
+    if case_id == "pair":
+        pair = torch.compile(_pair_step, fullgraph=True, backend=backend)
+
+        def both() -> dict[str, Any]:
+            x = _pair_input(rank, world).requires_grad_()
+            a, b = pair(x)
+            (a.sum() + 3 * b.sum()).backward()
+            return {"outputs": [a.detach(), b.detach()], "grads": [x.grad]}
+
+        return {"run": _compiled(both, compiler)}
     case = CASES_BY_ID[case_id]
     fn = torch.compile(case.call, fullgraph=True, backend=backend)
     return {"run": _compiled(lambda: run_case(case, rank, world, fn), compiler)}
@@ -157,6 +190,7 @@ def _keys(world: int) -> list[str]:
     if world == 2:  # suite time: 3 ranks add a rank of nonzero length to these, not a new path
         keys += [f"{comp}|{cid}" for comp in COMPILERS[1:] for cid in INDUCTOR_CASES]
     keys += [f"{comp}|moe-{mode}" for comp in COMPILERS for mode in MOE_MODES]
+    keys += [f"{comp}|pair" for comp in COMPILERS]
     return keys
 
 
@@ -210,11 +244,8 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
     # backward collective that one rank issues in its forward would pair with whatever
     # collective its peers issue next (another layer's forward), not with their backward's.
     case_id = key.split("|", 1)[1]
-    phases = (
-        ("forward",)
-        if not case_id.startswith("moe-") and CASES_BY_ID[case_id].grad == "none"
-        else ("forward", "backward")
-    )
+    op_case = CASES_BY_ID.get(case_id)
+    phases = ("forward",) if op_case is not None and op_case.grad == "none" else ("forward", "backward")
     assert [len(run["graphs"]) for run in runs] == [len(phases)] * world, [len(run["graphs"]) for run in runs]
     for phase, name in enumerate(phases):
         mismatch = collective_mismatch([run["graphs"][phase] for run in runs])
@@ -225,6 +256,17 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
             torch.testing.assert_close(run["result"]["outputs"][0], y, msg=lambda m, r=r: f"rank {r} y: {m}")
             torch.testing.assert_close(
                 run["result"]["grads"][0], g, msg=lambda m, r=r: f"rank {r} x.grad: {m}"
+            )
+        return
+    if case_id == "pair":  # each rank gets every rank's rows; the loss sums both outputs (1 and 3 * 2)
+        xs = [_pair_input(r, world) for r in range(world)]
+        for r, run in enumerate(runs):
+            a, b = run["result"]["outputs"]
+            torch.testing.assert_close(a, torch.cat(xs), msg=lambda m, r=r: f"rank {r} gather: {m}")
+            torch.testing.assert_close(b, 2 * torch.cat(xs), msg=lambda m, r=r: f"rank {r} ragged: {m}")
+            want = torch.full_like(xs[r], 7.0 * world)  # every rank's loss reads this rank's rows
+            torch.testing.assert_close(
+                run["result"]["grads"][0], want, msg=lambda m, r=r: f"rank {r} grad: {m}"
             )
         return
     case = CASES_BY_ID[case_id]
@@ -242,3 +284,33 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
                 torch.testing.assert_close(
                     got["grads"][i], want, msg=lambda m, r=r, i=i: f"rank {r} grad {i}: {m}"
                 )
+
+
+# ------------------------------------------------------------------- checks: an error
+def _with_zero_row_by_cat(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # what funcoll.moe did: cat drops an empty t
+
+
+def _checked_mismatch(rank: int, world: int) -> str:
+    funcoll.moe._with_zero_row = _with_zero_row_by_cat  # type: ignore[attr-defined]  # the bug, back
+    funcoll.set_checks(True)
+    layer = _moe_step("static")
+    step = torch.compile(lambda x, idx: layer(layer(x, idx), idx), fullgraph=True, backend="inductor")
+    x, idx = _moe_inputs(rank, world)
+    x.requires_grad_()
+    try:
+        for _ in range(2):  # the rank that moved a backward collective meets the others' next step
+            step(x, idx).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_checks_turn_a_mismatch_into_the_same_error_on_every_rank() -> None:
+    """Without checks this pairs different collectives: gloo aborts or hangs (NCCL: hangs or garbage)."""
+    errors = run_ranks(_checked_mismatch, 2, timeout=300.0, pg_timeout=120.0)
+    assert errors[0].startswith("funcoll: ranks issue different collectives at the same point (rank 0: "), (
+        errors[0]
+    )
+    assert "rank 1: " in errors[0], errors[0]
+    assert errors[1] == errors[0], errors

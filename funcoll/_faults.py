@@ -47,11 +47,18 @@ _OP: ContextVar[str | None] = ContextVar("funcoll_op", default=None)
 # empty again after each op), and `traced_op` reads the name as a constant.
 _TRACED: list[str] = []
 
+# Every public op's name, in the order funcoll defines them: the same on every rank, so
+# a header can carry an op as its position here (`op_code`).
+OP_NAMES: list[str] = []
+
 
 def public_op(name: str) -> Callable[[_F], _F]:
     """Decorate the public op `name`: in eager code its collectives' failures name it."""
 
     def decorate(fn: _F) -> _F:
+        if name not in OP_NAMES:
+            OP_NAMES.append(name)
+
         @functools.wraps(fn)
         def op(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
@@ -85,6 +92,14 @@ def remember(ctx: Any) -> None:
 def traced_op() -> str:
     """The public op being traced (under set_checks(True)), or "" outside any."""
     return _TRACED[0] if _TRACED else ""
+
+
+def op_code() -> int:
+    """The public op running (eager) or being traced (under checks), as its position in OP_NAMES; -1 if none."""
+    name = traced_op() if torch.compiler.is_compiling() else _OP.get()
+    if name is None and not torch.compiler.is_compiling():
+        name = getattr(torch._C._current_autograd_node(), "funcoll_op", None)
+    return OP_NAMES.index(name) if name in OP_NAMES else -1
 
 
 def _op_name(traced: str | None = None, issued_by: str | None = None) -> str:

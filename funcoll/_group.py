@@ -165,6 +165,18 @@ def wire_name(group_name: str) -> str:
     return alias
 
 
+@torch.compiler.assume_constant_result
+def size_of(name: str) -> int:
+    """The size of the c10d group called `name` (a constant of a trace)."""
+    return torch._C._distributed_c10d._resolve_process_group(name).size()
+
+
+@torch.compiler.assume_constant_result
+def rank_of(name: str) -> int:
+    """This process's rank in the c10d group called `name` (a constant of a trace)."""
+    return torch._C._distributed_c10d._resolve_process_group(name).rank()
+
+
 def group_of(name: str) -> str:
     """The group name that `name` stands for: `name`, or the group of a :func:`wire_name`."""
     group, sep, k = name.rpartition(":funcoll")

@@ -25,6 +25,7 @@ size exchange. docs/compile.md says what else this changes.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ from . import _prims
 from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
 from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
-from ._group import Group
+from ._faults import OP_NAMES, op_code
+from ._group import Group, group_of, rank_of, size_of
 from ._prims import Stats
 from ._rows import ints_on
 from ._strategy import STRATEGIES, sym_max, sym_min
@@ -102,8 +104,12 @@ def exchange(
     else:
         tail = sizes.to(device=x.device, dtype=torch.int64).reshape(-1)
         tail = torch.cat([tail, tail.new_zeros(TAIL * g.size - tail.shape[0])])
-    header = torch.cat([header, tail])
     step = "the cross-rank check" if HEADERS[key].check_only else "the size exchange"
+    return _gather_rows(torch.cat([header, tail]), key, g, step)
+
+
+def _gather_rows(header: Tensor, key: str, g: Group, step: str) -> tuple[Tensor, list]:
+    """All-gather one header row per rank, check the table, and return it with the host ints."""
     # The host reads the table next (host_ints): wait now, not at that first use.
     table = _prims._all_gather_impl(header, g.name, g.size, step, defer=False).view(g.size, -1)
     return table, host_ints(table, key, g.rank)
@@ -186,6 +192,9 @@ def _disagree(opname: str, rows: list[list[int]], what: str, key: Callable[[list
 def _check_rows(key: str, rows: list[list[int]], rank: int) -> None:
     opname = f"funcoll.{key}"
     spec = HEADERS[key]
+    if any(r[OP] == CODES["collective"] for r in rows):
+        _check_collectives(rows)
+        return
     if len({r[OP] for r in rows}) > 1:
         called = [_BY_CODE[r[OP]] if 0 <= r[OP] < len(_BY_CODE) else None for r in rows]
         names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
@@ -408,9 +417,143 @@ _BY_CODE: tuple[Header, ...] = (
         check_only=True,
     ),
     Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
+    # Not an op: every data collective under checks (check_collective).
+    Header("collective", reads=NDIM_ONLY, check_only=True),
 )
 HEADERS: dict[str, Header] = {h.name: h for h in _BY_CODE}
 CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}
+
+
+# ----------------------------------------------------- every collective, under checks
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
+def _group_code(group_name: str) -> int:
+    """A group name as an int every rank computes alike: the number c10d names it by, else a CRC."""
+    name = group_of(group_name)
+    return int(name) if name.isdigit() and len(name) < 18 else -1 - zlib.crc32(name.encode())
+
+
+def _show_group(code: int) -> str:
+    return f"group {str(code)!r}" if code >= 0 else f"the group whose name has CRC-32 {-1 - code}"
+
+
+def _show_collective(row: list[int]) -> str:
+    """What a header row says a rank is about to issue, for the error."""
+    if row[OP] != CODES["collective"]:
+        name = _BY_CODE[row[OP]].name if 0 <= row[OP] < len(_BY_CODE) else "?"
+        return f"the header exchange of funcoll.{name}"
+    kind = COLLECTIVES[row[SIZE]] if 0 <= row[SIZE] < len(COLLECTIVES) else "?"
+    op = f"funcoll.{OP_NAMES[row[ARG1]]}" if 0 <= row[ARG1] < len(OP_NAMES) else "funcoll"
+    shape = [("*" if i == row[DIM] else row[SHAPE + i]) for i in range(min(row[NDIM], MAX_DIMS))]
+    dtype = DTYPES[row[DTYPE]] if row[DTYPE] < len(DTYPES) else "other dtype"
+    shown = f"{kind} of {dtype} {tuple(shape)}".replace("torch.", "").replace("'*'", "*")
+    if row[DIM] == 0:  # an all_to_all: the rows it sends to and receives from each rank
+        world = (len(row) - WIDTH) // 2
+        shown += f" sending {row[WIDTH : WIDTH + world]} receiving {row[WIDTH + world :]}"
+    at = f", collective {row[GRAD]} of its compiled graph" if row[GRAD] >= 0 else ""
+    return f"{shown} on {_show_group(row[ARG0])} in {op}{at}"
+
+
+def _check_collectives(rows: list[list[int]]) -> None:
+    """Raise on every rank unless every rank's next collective is the same one (rows of check_collective)."""
+    # Which collective of its graph each is (GRAD's column: -1 in eager code, which any
+    # position matches), then all but the op that issues it (ARG1: only shown).
+    positions = {r[GRAD] for r in rows} - {-1}
+    same = (
+        len(positions) <= 1
+        and len({(*r[:GRAD], *r[GRAD + 1 : ARG1], *r[ARG1 + 1 : WIDTH]) for r in rows}) == 1
+    )
+    if same and rows[0][DIM] == 0:  # all_to_all: what rank i receives from j is what j sends to i
+        world = len(rows)
+        same = all(
+            rows[i][WIDTH + world + j] == rows[j][WIDTH + i] for i in range(world) for j in range(world)
+        )
+    if not same:
+        detail = "; ".join(f"rank {i}: {_show_collective(r)}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"funcoll: ranks issue different collectives at the same point ({detail}). Each would pair "
+            f"with another rank's different one: a backend abort, a hang or garbage without this check. "
+            f"A compiled step whose graphs differ between ranks is the usual cause (docs/errors.md)"
+        )
+
+
+def check_collective(
+    collective: str, group_name: str, x: Tensor, splits: tuple[Sequence[IntLike], Sequence[IntLike]] | None
+) -> Tensor:
+    """With checks on: exchange what this rank's next collective is; raise on every rank if they differ.
+
+    Every rank sends one header row (the same width as the ops' headers, so that
+    it pairs with whatever the others issue): the collective, its group, the op
+    issuing it, the payload's dtype and shape, and an all_to_all's send and
+    receive splits. Returns `x`, made to depend on the check's read in a compiled
+    graph (:func:`after_read`), so that no pass issues the collective before it.
+    In a compiled graph the header comes after `x` (``funcoll::after``), so that
+    it stays beside its collective: in the backward graph when `x` is a gradient,
+    and in the same order on every rank.
+    """
+    name = group_of(group_name)
+    g = Group(name=name, size=size_of(name), rank=rank_of(name))
+    if g.is_single:
+        return x
+    a2a = collective == "all_to_all"
+    group, _, k = group_name.rpartition(":funcoll")  # a compiled graph's k-th collective (wire_name)
+    position = int(k) if group and k.isdigit() else -1
+    row = [
+        CODES["collective"], x.dim(), _dtype_code(x.dtype), 0 if a2a else -1, position,
+        COLLECTIVES.index(collective), _group_code(group_name), op_code(), *_shape_columns(x, 0 if a2a else -1),
+    ]  # fmt: skip
+    tail = [*splits[0], *splits[1]] if a2a and splits is not None else [0] * (TAIL * g.size)
+    header = ints_on(x.device, [*row, *tail])
+    if torch.compiler.is_compiling():  # after x: where x goes (a backward's graph), the header goes
+        header = torch.ops.funcoll.after(header, x)
+    table = _prims._all_gather_impl(header, g.name, g.size, "the collective check", defer=False).view(
+        g.size, -1
+    )
+    if not torch.compiler.is_compiling():
+        _read(table, "collective", g.rank)  # a device-to-host sync (none for a CPU tensor): the check's read
+        return x
+    return _minus(x, torch.ops.funcoll.check_table(table, "collective", g.rank))
+
+
+# `header`, computed after `x`: an opaque op, so that no compiler pass separates a header
+# from the payload it describes (a constant header is free to move: inductor's overlap
+# passes raised the headers of independent collectives in an order that differed between
+# ranks, and AOT autograd's partitioner may put a constant in another graph). It copies
+# the header's few ints and reads nothing of `x`.
+@torch.library.custom_op("funcoll::after", mutates_args=())
+def _after(header: Tensor, x: Tensor) -> Tensor:
+    return header.clone()
+
+
+@_after.register_fake
+def _after_fake(header: Tensor, x: Tensor) -> Tensor:
+    return torch.empty_like(header)
+
+
+# A compiled graph's read of a collective's check. Unlike host_ints it returns no sizes
+# (an autograd.Function's forward may not create unbacked ones), but a zero on the table's
+# device, computed after the check, which the collective's payload then depends on.
+@torch.library.custom_op("funcoll::check_table", mutates_args=())
+def _check_table(t: Tensor, key: str, rank: int) -> Tensor:
+    _read(t, key, rank)  # a device-to-host sync (none for a CPU tensor): the check's read; raises
+    return t.new_zeros(())
+
+
+torch.fx.node.has_side_effect(torch.ops.funcoll.check_table.default)
+
+
+@_check_table.register_fake
+def _check_table_fake(t: Tensor, key: str, rank: int) -> Tensor:
+    return t.new_empty(())
+
+
+def _minus(x: Tensor, zero: Tensor) -> Tensor:
+    """`x - zero` for a 0-d int64 `zero` that is 0 at run time: exactly `x`, and after `zero` in the graph."""
+    if x.dtype in _SUBTRACTS:
+        return x - zero.to(x.dtype)
+    bits = _BITS[x.element_size()]
+    return (x.view(bits) - zero.to(bits)).view(x.dtype)
 
 
 def check_agreement(

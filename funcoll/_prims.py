@@ -63,7 +63,14 @@ _ALIAS_WAIT = torch.__version__ < "2.12"
 
 
 def _run(
-    collective: str, group_name: str, issue: Callable[[str], Tensor], step: str = "", *, defer: bool = True
+    collective: str,
+    group_name: str,
+    x: Tensor,
+    issue: Callable[[Tensor, str], Tensor],
+    step: str = "",
+    *,
+    defer: bool = True,
+    splits: tuple[Sequence[IntLike], Sequence[IntLike]] | None = None,
 ) -> Tensor:
     """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
 
@@ -82,6 +89,13 @@ def _run(
     exchange's wait (``defer=False``) is ``funcoll::wait``, which names the op
     too: the host reads the sizes next, so there is no overlap to lose.
 
+    `x` is the payload (contiguous) and ``issue(x, group)`` issues the collective;
+    `splits` are an all_to_all's (send, receive) sizes. With ``funcoll.set_checks(True)``
+    every data collective (not the size exchanges, ``defer=False``) first exchanges
+    a header saying what it is (:func:`funcoll._header.check_collective`), so that
+    ranks whose next collectives differ raise the same ``ValueError`` instead of
+    pairing them.
+
     Eager, the issue and the wait dispatch below autograd. Every collective here
     runs inside a primitive's forward (grad off, funcoll's own backward) or on a
     size header, which has no gradient, so the autograd kernels torch registers
@@ -90,8 +104,14 @@ def _run(
     collective (2 gloo CPU ranks, torch 2.13: issue and wait take 15-20 us of the
     calling thread's CPU instead of 35-55 us).
     """
-    if torch.compiler.is_compiling():
-        out = issue(wire_name(group_name))
+    compiling = torch.compiler.is_compiling()
+    wire = wire_name(group_name) if compiling else group_name
+    if defer and checks_enabled():
+        from ._header import check_collective  # the header exchange runs on this module's all_gather
+
+        x = check_collective(collective, wire, x, splits)
+    if compiling:
+        out = issue(x, wire)
         if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
             return _faults.wait(out, _faults.traced_op(), collective, group_name, step)
         y = _F.wait_tensor(out)
@@ -99,7 +119,7 @@ def _run(
     _async.drain()  # a gloo collective kept in flight is waited before the next one runs
     try:
         with torch._C._AutoDispatchBelowAutograd():
-            out = issue(group_name)
+            out = issue(x, group_name)
             how = _async.defers(out, group_name) if defer else None  # on gloo: _async.defers
             if how is None:
                 return _F.wait_tensor(out)
@@ -118,7 +138,7 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 # --------------------------------------------------------------------------- all_gather_p
 def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, defer: bool = True) -> Tensor:
     return _run(
-        "all_gather", group_name, lambda g: _F.all_gather_into_tensor(x.contiguous(), world, g), step,
+        "all_gather", group_name, x.contiguous(), lambda t, g: _F.all_gather_into_tensor(t, world, g), step,
         defer=defer,
     )  # fmt: skip
 
@@ -141,18 +161,24 @@ def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------- reduce_scatter_p
-def _avg_as_sum(collective: str, group_name: str, reduce_op: str, world: int, issue: Any) -> Tensor:
-    """Run a reducing collective; avg runs as sum / world (not every backend has avg)."""
+def _avg_as_sum(
+    collective: str, group_name: str, x: Tensor, reduce_op: str, world: int, issue: Any
+) -> Tensor:
+    """Run a reducing collective on `x`; avg runs as sum / world (not every backend has avg)."""
     o = "sum" if reduce_op == "avg" else reduce_op
-    y = _run(collective, group_name, lambda g: issue(o, g))
+    y = _run(collective, group_name, x.contiguous(), lambda t, g: issue(t, o, g))
     return y / world if reduce_op == "avg" else y
 
 
 def _reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
     return _avg_as_sum(
-        "reduce_scatter", group_name, reduce_op, world,
-        lambda o, g: _F.reduce_scatter_tensor(x.contiguous(), o, world, g),
-    )  # fmt: skip
+        "reduce_scatter",
+        group_name,
+        x,
+        reduce_op,
+        world,
+        lambda t, o, g: _F.reduce_scatter_tensor(t, o, world, g),
+    )
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -185,9 +211,7 @@ def _scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- all_reduce
 def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
-    return _avg_as_sum(
-        "all_reduce", group_name, reduce_op, world, lambda o, g: _F.all_reduce(x.contiguous(), o, g)
-    )
+    return _avg_as_sum("all_reduce", group_name, x, reduce_op, world, lambda t, o, g: _F.all_reduce(t, o, g))
 
 
 class _AllReduce(torch.autograd.Function):
@@ -215,7 +239,10 @@ def _all_to_all(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name:
     """
     if x.is_complex():
         return torch.view_as_complex(_all_to_all(torch.view_as_real(x), recv, send, group_name))
-    return _run("all_to_all", group_name, lambda g: _F.all_to_all_single(x.contiguous(), recv, send, g))
+    return _run(
+        "all_to_all", group_name, x.contiguous(), lambda t, g: _F.all_to_all_single(t, recv, send, g),
+        splits=(send, recv),
+    )  # fmt: skip
 
 
 class _AllToAll(torch.autograd.Function):
@@ -304,7 +331,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
         _faults.remember(ctx)
         ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
-        return _run("broadcast", group_name, lambda g: _F.broadcast(x.contiguous(), src, g))
+        return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -324,7 +351,7 @@ class _Replicate(torch.autograd.Function):
         _faults.remember(ctx)
         ctx.reduce_op, ctx.world = reduce_op, world
         if reduce_op is None:
-            return _run("broadcast", group_name, lambda g: _F.broadcast(x.contiguous(), src, g))
+            return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g))
         return _all_reduce_impl(x, reduce_op, group_name, world)
 
     @staticmethod

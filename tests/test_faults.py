@@ -171,17 +171,18 @@ def _funcoll_error(report: str) -> str:
 CHECKED, UNCHECKED = True, False
 CASES = [
     ("all_gather", "raises", CHECKED, "funcoll.all_gather: the all_gather in the cross-rank check on group"),
-    ("all_gather", "exits_after_1", CHECKED, "funcoll.all_gather: the all_gather on group"),
-    ("all_reduce", "exits_after_1", CHECKED, "funcoll.all_reduce: the all_reduce on group"),
+    # Checked, every data collective first exchanges a header of its own (what it is).
+    ("all_gather", "exits_after_1", CHECKED, "funcoll.all_gather: the all_gather in the collective check on group"),
+    ("all_reduce", "exits_after_1", CHECKED, "funcoll.all_reduce: the all_gather in the collective check on group"),
     # An even op with checks off (the default): its one collective, a peer that stays away.
     ("all_reduce", "stays_away", UNCHECKED, "funcoll.all_reduce: the all_reduce on group"),
     ("gather", "exits", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
     ("gather", "stays_away", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
-    ("gather", "exits_after_1", CHECKED, "funcoll.gather: the all_to_all on group"),
+    ("gather", "exits_after_1", CHECKED, "funcoll.gather: the all_gather in the collective check on group"),
     # A ragged op with checks off: its size exchange goes first all the same.
     ("all_to_all_v", "exits_after_1", UNCHECKED, "funcoll.all_to_all_v: the all_to_all on group"),
     ("gather_padded", "raises", CHECKED, "funcoll.gather_padded: the all_gather in the counts exchange on group"),
-    ("backward", "exits", CHECKED, "funcoll.gather (backward): the all_to_all on group"),
+    ("backward", "exits", CHECKED, "funcoll.gather (backward): the all_gather in the collective check on group"),
     # A compiled step (checks on): rank 1 dies before it, raises and stays away, or dies
     # between its forward and backward.
     ("compiled:aot_eager", "stays_away", CHECKED, "funcoll.gather: the all_gather in the size exchange on group"),
@@ -210,7 +211,9 @@ def test_every_healthy_rank_fails_at_world_3() -> None:
     message, took = _run("gather", "exits_after_1", world=3)
     assert took < BOUND_S
     for r, report in _survivors(message, 3).items():
-        assert _funcoll_error(report).startswith("funcoll.gather: the all_to_all on group"), r
+        assert _funcoll_error(report).startswith(
+            "funcoll.gather: the all_gather in the collective check on group"
+        ), r
 
 
 @pytest.mark.parametrize(
@@ -219,12 +222,20 @@ def test_every_healthy_rank_fails_at_world_3() -> None:
     ids=["forward-unchecked", "backward-checked"],
 )
 def test_compiled_data_collective_fails_with_the_backends_error(op: str, checks: bool) -> None:
-    """A compiled graph's data collectives keep the bare wait_tensor (movable), checked or not."""
+    """A compiled graph's data collectives keep the bare wait_tensor (movable), checked or not.
+
+    Checked, each is preceded by its own header exchange, waited by ``funcoll::wait``:
+    a peer that died fails that exchange first, named.
+    """
     message, took = _run(op, "exits", checks=checks)
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     report = _survivors(message, 2)[0]
     assert "Connection" in report or "Timed out" in report, report
-    assert not re.findall(r"^(?:RuntimeError|DistBackendError): funcoll\.", report, flags=re.M), report
+    named = re.findall(r"^(?:RuntimeError|DistBackendError): (funcoll\..*)$", report, flags=re.M)
+    if checks:
+        assert named and "the all_gather in the collective check" in named[0], report
+    else:
+        assert not named, report
     assert "rank 1 of 2 died without a result (exit code 3)" in message
 
 

@@ -8,7 +8,7 @@ the one that runs on gloo) and once with
 its ``E / world`` experts and the dispatchers wired to a 1-D ``ep`` mesh as
 torchtitan's ``RoutedExperts.parallelize`` wires them. Routings: the router's own,
 every token to experts 0 and 1, every token to rank 0's experts (the other ranks
-receive nothing), and (exact and dropless modes) a rank holding no tokens. Dropless
+receive nothing), and a rank holding no tokens. Dropless
 mode runs with a capacity that overflows on most routings (its dispatch falls back to
 exact mode, and the next step fits the capacity it grew to) and one that fits.
 
@@ -18,8 +18,10 @@ every rank's tokens and the routing they chose (bf16 tolerances: torchtitan's
 experts compute in bf16), and against torchtitan's dispatcher (float32 tolerances:
 the same experts, the same bf16 GEMMs); the load-balancing counter after the step
 against the routing's counts (a forward side effect, once). The funcoll dispatcher
-also runs compiled (``fullgraph=True``, inductor, forward and backward) in three
-of the cases, against the dense layer.
+also runs compiled (``fullgraph=True``, inductor, forward and backward) where a
+rank holds no tokens, in every mode and at every world size, against the dense
+layer; the collectives each rank's generated code issues must pair up, forward
+and backward.
 All cases of a world run in one ``run_ranks`` call.
 """
 
@@ -49,7 +51,7 @@ from torchtitan.models.common.moe import (
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from funcoll.integrations.torchtitan import FuncollTokenDispatcher
-from funcoll.testing import in_flight
+from funcoll.testing import collective_mismatch, compiled_collectives, in_flight
 
 WORLDS = (2, 4)
 E, K, D, F = 8, 2, 16, 24
@@ -65,9 +67,12 @@ MODES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("dropless-fits", {"mode": "dropless", "capacity": TOKENS * K}),
 )
 PARAMS = ("x", "gate", "w1", "w2", "w3")
-# Compiled with inductor, forward and backward: the whole layer takes about 30 s a case here.
-# Dropless compiles exact mode's graph (exact-align4's, here with an empty rank).
-COMPILED = ((2, "exact", "router"), (2, "dropless", "empty"), (2, "static", "rank0"))
+# Compiled with inductor, forward and backward: the step where rank 1 routes no token, in
+# every mode, at every world size. That rank compiles a graph of its own (its token count
+# is a static 0) while the others compile another; their forward and backward graphs
+# must issue the same collectives (read from the generated code). Dropless compiles
+# exact mode's graph.
+COMPILED = tuple((world, mode, "empty") for world in WORLDS for mode in ("exact", "static", "dropless"))
 
 
 def _tokens(world: int, rank: int, routing: str) -> int:
@@ -175,7 +180,9 @@ def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str
         # the rank. Caught here, a rank whose compile failed alone would go on to the next
         # case while its peers wait in the compiled step's collectives, until the timeout.
         fn = torch.compile(compiled, fullgraph=True, backend="inductor")
-        got["compiled"] = _step(compiled, x, upstream, fn)
+        with compiled_collectives() as graphs:
+            got["compiled"] = _step(compiled, x, upstream, fn)
+        got["compiled"]["graphs"] = graphs
         torch._dynamo.reset()
     got["in_flight"] = in_flight()
     return got
@@ -193,10 +200,8 @@ def _body(rank: int, world: int) -> dict[tuple[str, str], Any]:
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     out = {}
-    for mode, kwargs in MODES:
+    for mode, _ in MODES:
         for routing in ROUTINGS:
-            if routing == "empty" and kwargs["mode"] == "static":
-                continue  # keep static mode's cases to ranks of one T
             out[(mode, routing)] = _case(world, rank, mesh, mode, routing)
     return out
 
@@ -247,7 +252,6 @@ def _params() -> list[Any]:
         for world in WORLDS
         for mode, kwargs in MODES
         for routing in ROUTINGS
-        if routing != "empty" or kwargs["mode"] != "static"
     ]
 
 
@@ -308,8 +312,17 @@ def test_dispatcher_in_torchtitans_layer_matches_dense_and_torchtitan(
     ("world", "mode", "routing"), [pytest.param(*c, id="w{}-{}-{}".format(*c)) for c in COMPILED]
 )
 def test_dispatcher_compiled_on_inductor_matches_dense(world: int, mode: str, routing: str) -> None:
-    """Inductor keeps the experts' bf16 intermediates in float32: compared with the dense layer, not eager."""
+    """Inductor keeps the experts' bf16 intermediates in float32: compared with the dense layer, not eager.
+
+    The rank with no token compiled its own graphs: their collectives pair with the
+    others', the forward's with the forward's and the backward's with the backward's.
+    """
     ranks = [per_rank[(mode, routing)] for per_rank in batch(world)]
+    graphs = [r["compiled"]["graphs"] for r in ranks]
+    assert [len(g) for g in graphs] == [2] * world, [len(g) for g in graphs]
+    for phase, name in enumerate(("forward", "backward")):
+        mismatch = collective_mismatch([g[phase] for g in graphs])
+        assert mismatch is None, f"{name}: {mismatch}"
     ref = _reference(world, routing, [r["ids"] for r in ranks])
     for r, got in enumerate(ranks):
         compiled = got["compiled"]
