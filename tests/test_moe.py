@@ -541,9 +541,10 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         if case.mode == "dropless":  # static iff the group's need fits its largest capacity
             need = needed(case)
             # one host read; under set_checks(True) (this directory's), one more for the
-            # cross-rank check of each even collective: the counts' all_gather, static's blocks
+            # cross-rank check of each even collective: the counts' all_gather, static's blocks,
+            # and one for each of the two data collectives' own headers (what each is)
             fits = need <= case.capacity  # type: ignore[operator]
-            reads = (3 if fits else 2) if got["checked"] else 1
+            reads = (5 if fits else 4) if got["checked"] else 1
             want = ("static", case.capacity, need, reads) if fits else ("exact", None, need, reads)
             assert got["seen"] == want, f"{where}: (mode, capacity, group_needed, host reads) {got['seen']}"
         if case.mode == "policy":  # (replays, capacity, agreed need) after each of two steps

@@ -382,6 +382,13 @@ def test_compiled_ulysses_with_empty_head_shards_issues_the_same_collectives_on_
     from funcoll.testing import run_ranks
 
     per_rank = run_ranks(_collective_sequence, world, timeout=120)
-    assert len(per_rank[0]["bw"]) == 8, per_rank[0]  # 4 all_to_alls, 4 waits
+    bw = per_rank[0]["bw"]
+    # 4 all_to_alls, their 4 waits; under this directory's set_checks(True), each after a
+    # header of its own (an all_gather waited by funcoll::wait)
+    assert bw.count("_c10d_functional.all_to_all_single.default") == 4, bw
+    assert bw.count("_c10d_functional.wait_tensor.default") == 4, bw
+    assert (
+        bw.count("_c10d_functional.all_gather_into_tensor.default") == bw.count("funcoll.wait.default") == 4
+    ), bw
     for rank, seqs in enumerate(per_rank[1:], 1):
         assert seqs == per_rank[0], f"rank {rank} (no head) issues {seqs}, rank 0 {per_rank[0]}"
