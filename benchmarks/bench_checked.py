@@ -9,12 +9,15 @@ setting), interleaved over `rounds` rounds of barrier-fenced calls
 spread is the range of the per-round ratios. Each rank holds rows of 1024 float32,
 the same count on every rank, and the step is one op:
 
-- ``gather`` (ragged, sizes exchanged): checks add nothing to what it
-  exchanges, and its data collective keeps the bare ``wait_tensor`` either way
-  (only a header's wait is ``funcoll::wait``): the two graphs should cost the same;
-- ``all_gather`` (even): checks also add the cross-rank header (one small
-  all_gather and a host read) before the data, and make the payload depend on
-  the read (one pass over it), so that the data travels after the check.
+- ``gather`` (ragged, sizes exchanged): its size exchange is its check, and its
+  data collective keeps the bare ``wait_tensor`` either way (only a header's
+  wait is ``funcoll::wait``); checks add the data collective's own header (what
+  it is: one small all_gather and a host read) and make the payload depend on
+  its read (one pass over it);
+- ``all_gather`` (even): checks add the cross-rank header before the data and
+  the data collective's own header, each one small all_gather and a host read,
+  and make the payload depend on the reads, so that the data travels after the
+  checks.
 
 The two results are compared before timing.
 """
