@@ -81,6 +81,7 @@ __all__ = [
     "has_error",
     "in_flight",
     "loss_weights",
+    "moe_step",
     "ragged_sizes",
     "recording_backend",
     "recv_sizes",
@@ -999,6 +1000,26 @@ def expected_collectives(case_id: str, world: int) -> tuple[dict[str, int], dict
 
 
 EXPECTED_AT_2 = {c.id: expected_collectives(c.id, 2) for c in CASES}
+
+
+# ---------------------------------------------------------------------------------- MoE
+def moe_step(mode: str, capacity: int | None, e_local: int = 2) -> Callable[[Tensor, Tensor], Tensor]:
+    """A compiled-test MoE layer: dispatch, local expert e scales its rows by 1 + e, combine by (0.5, 0.25).
+
+    `capacity` goes to static mode (None: exact). Top-2 routing; the reference is
+    ``x * sum_j weight_j * (1 + expert_j % e_local)`` per token (dropped pairs add 0).
+    """
+
+    def step(x: Tensor, idx: Tensor) -> Tensor:
+        n_experts = e_local * funcoll.axis_size(None)
+        recv, h = funcoll.moe.dispatch(x, idx, n_experts, mode=mode, capacity=capacity)
+        rows = torch.arange(recv.shape[0], device=recv.device)
+        local = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)
+        y = recv * (1 + local).unsqueeze(1).to(recv.dtype)  # local expert e scales its rows by 1 + e
+        return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
+
+    return step
+
 
 # ------------------------------------------------------------------------------ batches
 STOPPED = "__stopped__"  # key of a rank's results when its batch stopped early

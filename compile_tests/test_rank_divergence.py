@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from _ops import moe_step
 from torch import Tensor
 from torch._dynamo.backends.registry import lookup_backend
 
@@ -181,16 +182,7 @@ def _moe_routing(lengths: list[int], rank: int) -> Tensor:
 
 
 def _moe_step(mode: str) -> Callable[[Tensor, Any], Tensor]:
-    def step(x: Tensor, idx: Tensor) -> Tensor:
-        n_experts = MOE_E_LOCAL * funcoll.axis_size(None)
-        capacity = MOE_CAPACITY if mode == "static" else None
-        recv, h = funcoll.moe.dispatch(x, idx, n_experts, mode=mode, capacity=capacity)
-        rows = torch.arange(recv.shape[0], device=recv.device)
-        local = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)
-        y = recv * (1 + local).unsqueeze(1).to(recv.dtype)  # local expert e scales its rows by 1 + e
-        return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
-
-    return step
+    return moe_step(mode, MOE_CAPACITY if mode == "static" else None, MOE_E_LOCAL)
 
 
 def _moe_reference(xs: list[Tensor], lengths: list[int]) -> list[Tensor | None]:

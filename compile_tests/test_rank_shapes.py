@@ -41,7 +41,16 @@ from typing import Any
 
 import pytest
 import torch
-from _ops import CASES, CASES_BY_ID, STOPPED, reference_grads, reference_outputs, run_batch, run_case
+from _ops import (
+    CASES,
+    CASES_BY_ID,
+    STOPPED,
+    moe_step,
+    reference_grads,
+    reference_outputs,
+    run_batch,
+    run_case,
+)
 
 import funcoll
 from funcoll.testing import (
@@ -91,16 +100,8 @@ def _moe_inputs(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _moe_step(mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        n_experts = MOE_E_LOCAL * funcoll.axis_size(None)
-        capacity = 2 * MOE_K if mode != "exact" else None  # drops pairs on the busiest rank: static's masks
-        recv, h = funcoll.moe.dispatch(x, idx, n_experts, mode=mode, capacity=capacity)
-        rows = torch.arange(recv.shape[0], device=recv.device)
-        local = (torch.searchsorted(h.offsets, rows, right=True) - 1).clamp(min=0)
-        y = recv * (1 + local).unsqueeze(1).to(recv.dtype)  # local expert e scales its rows by 1 + e
-        return funcoll.moe.combine(y, h, torch.tensor([0.5, 0.25], dtype=x.dtype).expand(x.shape[0], 2))
-
-    return step
+    # a capacity that drops pairs on the busiest rank: static mode's masks
+    return moe_step(mode, 2 * MOE_K if mode != "exact" else None, MOE_E_LOCAL)
 
 
 # Two independent ragged ops in one step: nothing orders their collectives but the graph's
