@@ -64,8 +64,8 @@ from funcoll.testing import (
 WORLDS = (2, 3)
 COMPILERS = ("aot_eager", "inductor", "inductor-overlap")
 OVERLAP_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
-# Inductor compiles C++ kernels for each graph: the cases whose backward builds its
-# send buffers (padding, packing, the MoE layouts), each path once. aot_eager runs every case.
+# The cases whose backward builds its send buffers (padding, packing), each path once:
+# inductor runs them at 3 ranks too (it compiles C++ kernels for each graph: suite time).
 INDUCTOR_CASES = (
     "reduce_scatter-ragged-sizes-dim0",
     "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2",
@@ -187,9 +187,11 @@ def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
 
 
 def _keys(world: int) -> list[str]:
-    keys = [f"aot_eager|{c.id}" for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
-    if world == 2:  # suite time: 3 ranks add a rank of nonzero length to these, not a new path
-        keys += [f"{comp}|{cid}" for comp in COMPILERS[1:] for cid in INDUCTOR_CASES]
+    ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
+    keys = [f"aot_eager|{cid}" for cid in ops]
+    # Inductor: every op at 2 ranks (one of them with 0 rows); at 3 (suite time) the ops
+    # whose backward builds its send buffers, where a third rank adds a nonzero length.
+    keys += [f"{comp}|{cid}" for comp in COMPILERS[1:] for cid in (ops if world == 2 else INDUCTOR_CASES)]
     keys += [f"{comp}|moe-{mode}" for comp in COMPILERS for mode in MOE_MODES]
     keys += [f"{comp}|pair" for comp in COMPILERS]
     return keys

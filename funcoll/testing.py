@@ -523,7 +523,8 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[Collective]:
     return out
 
 
-_CODE_CALL = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
+# `buf = op(...)`, or an in-place op (`all_reduce_`, `broadcast_`) on its first argument
+_CODE_CALL = re.compile(r"^\s*(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
 _CODE_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), ")
 
 
@@ -544,8 +545,9 @@ def code_collectives(code: str) -> list[Collective]:
         if m := _CODE_SIZE.match(line):
             shapes[m.group(1)] = _literal(ast.parse(line.strip(), mode="eval").body.args[1])  # type: ignore[attr-defined]
         elif (m := _CODE_CALL.match(line)) and not m.group(2).startswith("wait"):
-            args = [_literal(a) for a in ast.parse(f"f({m.group(3)})", mode="eval").body.args]  # type: ignore[attr-defined]
-            calls.append((m.group(1), m.group(2), args))
+            nodes = ast.parse(f"f({m.group(3)})", mode="eval").body.args  # type: ignore[attr-defined]
+            buf = m.group(1) or (nodes[0].id if nodes and isinstance(nodes[0], ast.Name) else "")
+            calls.append((buf, m.group(2).rstrip("_"), [_literal(a) for a in nodes]))
     return [_collective(op, next(a for a in reversed(args) if isinstance(a, str)), shapes.get(buf), args)
             for buf, op, args in calls]  # fmt: skip
 
