@@ -21,7 +21,8 @@ compute), which move collectives and waits per graph.
 
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 0 rows at every world size, ``_ops.ragged_sizes``), and ``funcoll.moe`` dispatch and
-combine in exact, static and dropless modes, with one rank routing 0 tokens (the
+combine in exact and static modes, with one rank routing 0 tokens on the second
+step, so that it alone compiles a new graph while the others reuse theirs (the
 case that failed: on that rank inductor's ``cat`` decomposition dropped the empty
 gradient, and the partitioner moved combine's backward all_to_all into the forward
 graph), and two independent ragged ops in one step, which nothing but the graph's
@@ -87,12 +88,13 @@ TIMEOUT = 900.0
 MOE_K, MOE_E_LOCAL, MOE_D = 2, 2, 4
 
 
-def _moe_tokens(rank: int, world: int) -> int:
-    return 0 if rank == world - 1 else 3 + 2 * rank  # the last rank routes no token
+def _moe_tokens(rank: int, world: int, first: bool = False) -> int:
+    """Tokens a rank routes: the last rank none (on the first step, `first`, as many as the others)."""
+    return 0 if rank == world - 1 and not first else 3 + 2 * rank
 
 
-def _moe_inputs(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    t = _moe_tokens(rank, world)
+def _moe_inputs(rank: int, world: int, first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    t = _moe_tokens(rank, world, first)
     gen = torch.Generator().manual_seed(1000 * world + rank)
     x = torch.randn(t, MOE_D, generator=gen, dtype=torch.float64)
     experts = torch.arange(t).unsqueeze(1) * 3 + rank + torch.tensor([0, 1])
@@ -164,13 +166,20 @@ def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
         step = torch.compile(_moe_step(case_id.removeprefix("moe-")), fullgraph=True, backend=backend)
 
         def moe() -> dict[str, Any]:
-            x, idx = _moe_inputs(rank, world)
-            x.requires_grad_()
-            y = step(x, idx)
-            (y * 1.5).sum().backward()
+            # A first step where every rank routes tokens, then one where the last rank routes
+            # none: that rank alone compiles a new graph (a shape it sees for the first
+            # time), the others run the graphs they compiled first, as in a training loop.
+            for first in (True, False):
+                x, idx = _moe_inputs(rank, world, first)
+                x.requires_grad_()
+                y = step(x, idx)
+                (y * 1.5).sum().backward()
             return {"outputs": [y.detach()], "grads": [x.grad]}
 
-        return {"run": _compiled(moe, compiler)}
+        run = _compiled(moe, compiler)
+        if "graphs" in run:  # the graphs the second step ran: each rank's last forward and backward
+            run["graphs"] = run["graphs"][-2:]
+        return {"run": run}
     if case_id == "pair":
         pair = torch.compile(_pair_step, fullgraph=True, backend=backend)
 
