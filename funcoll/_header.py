@@ -513,7 +513,7 @@ def check_collective(
     if not torch.compiler.is_compiling():
         _read(table, "collective", g.rank)  # a device-to-host sync (none for a CPU tensor): the check's read
         return x
-    return _minus(x, torch.ops.funcoll.check_table(table, "collective", g.rank))
+    return after_read(x, torch.ops.funcoll.check_table(table, "collective", g.rank))
 
 
 # `header`, computed after `x`: an opaque op, so that no compiler pass separates a header
@@ -546,14 +546,6 @@ torch.fx.node.has_side_effect(torch.ops.funcoll.check_table.default)
 @_check_table.register_fake
 def _check_table_fake(t: Tensor, key: str, rank: int) -> Tensor:
     return t.new_empty(())
-
-
-def _minus(x: Tensor, zero: Tensor) -> Tensor:
-    """`x - zero` for a 0-d int64 `zero` that is 0 at run time: exactly `x`, and after `zero` in the graph."""
-    if x.dtype in _SUBTRACTS:
-        return x - zero.to(x.dtype)
-    bits = _BITS[x.element_size()]
-    return (x.view(bits) - zero.to(bits)).view(x.dtype)
 
 
 def check_agreement(
@@ -603,8 +595,8 @@ _SUBTRACTS = {
 }  # fmt: skip
 
 
-def after_read(x: Tensor, zero: IntLike) -> Tensor:
-    """`x`, computed from `zero`, a host read's 0, exactly and with its gradient.
+def after_read(x: Tensor, zero: IntLike | Tensor) -> Tensor:
+    """`x`, computed from `zero`, a host read's 0 (an int, or a 0-d int64 tensor), exactly and with its gradient.
 
     Eager (`zero` a Python int) it is `x` itself. In a compiled graph the result
     depends on the read, so no pass moves a collective that sends it above the
