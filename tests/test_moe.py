@@ -35,6 +35,8 @@ from torch import Tensor
 
 import funcoll
 from funcoll import moe
+from funcoll.moe import _autograd as moe_autograd
+from funcoll.moe import _layout as moe_layout
 from funcoll.testing import count_host_reads, in_flight, run_ranks
 
 WORLDS = (2, 3, 4)
@@ -565,18 +567,18 @@ def run_gathered(rank: int, world: int, batch: list[Case]) -> list[dict[str, Any
 
     Static mode's drop order also takes its path for many pairs (a sort by destination).
     """
-    moe._by_gather = lambda t: True  # this rank's process only
-    moe._RUNNING_COUNT_LIMIT = 0
+    moe_autograd.by_gather = lambda t: True  # this rank's process only
+    moe_layout.RUNNING_COUNT_LIMIT = 0
     return [run_case(c, rank) for c in batch]
 
 
 def test_gathered_bags_match_one_process() -> None:
-    """The gathered bags (moe._by_gather, CUDA's path) against the same reference, on 3 ranks.
+    """The gathered bags (moe._autograd.by_gather, CUDA's path) against the same reference, on 3 ranks.
 
     On the CPU the bags are one embedding_bag; here the cases of 3 ranks (every mode,
     drops, empty experts, padding to `align`) run with the path CUDA takes, whose
     values and gradients must equal the single-process reference as the CPU path's do,
-    and with the drop order's sort (`moe._rank_in_dest` beyond its running count).
+    and with the drop order's sort (`moe._layout.rank_in_dest` beyond its running count).
     """
     world = 3
     per_rank = run_ranks(run_gathered, world, CASES[world], timeout=TIMEOUT)
@@ -597,8 +599,8 @@ def test_gathered_bags_match_one_process() -> None:
 @pytest.mark.parametrize("limit", [1 << 30, 0], ids=["running-count", "sort"])
 @pytest.mark.parametrize("n", [0, 1, 37])
 def test_rank_in_dest(monkeypatch: pytest.MonkeyPatch, limit: int, n: int) -> None:
-    """moe._rank_in_dest, both paths, against a count pair by pair (destinations with no pair)."""
-    monkeypatch.setattr(moe, "_RUNNING_COUNT_LIMIT", limit)
+    """moe._layout.rank_in_dest, both paths, against a count pair by pair (destinations with no pair)."""
+    monkeypatch.setattr(moe_layout, "RUNNING_COUNT_LIMIT", limit)
     world = 4
     dest = torch.randint(0, world - 1, (n,), generator=torch.Generator().manual_seed(n))  # rank 3 gets none
     seen = [0] * world
@@ -607,28 +609,28 @@ def test_rank_in_dest(monkeypatch: pytest.MonkeyPatch, limit: int, n: int) -> No
         seen[d] += 1
         want.append(seen[d])
     wanted = torch.bincount(dest, minlength=world)
-    got = moe._rank_in_dest(dest, world, wanted)
+    got = moe_layout.rank_in_dest(dest, world, wanted)
     assert got.dtype == torch.int64 and got.tolist() == want
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["embedding_bag", "gathered"])
 def test_bag_helpers(monkeypatch: pytest.MonkeyPatch, gathered: bool) -> None:
-    """moe._sum_bags and moe._take_valid, both paths, against row-by-row sums (repeated rows, invalid rows, no rows)."""
-    monkeypatch.setattr(moe, "_by_gather", lambda t: gathered)
+    """moe._autograd.sum_bags and take_valid, both paths, against row-by-row sums (repeated rows, invalid rows, no rows)."""
+    monkeypatch.setattr(moe_autograd, "by_gather", lambda t: gathered)
     g = torch.Generator().manual_seed(5)
     t = torch.randn(7, 3, dtype=torch.float64, generator=g)
     bags = torch.randint(0, 7, (5, 2), generator=g)
     bags[1] = 4  # one row twice in a bag
     want = torch.stack([sum((t[j] for j in row.tolist()), torch.zeros(3, dtype=t.dtype)) for row in bags])
-    torch.testing.assert_close(moe._sum_bags(t, bags), want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(moe_autograd.sum_bags(t, bags), want, rtol=0, atol=1e-15)
     index = torch.tensor([3, 0, 6, 0, 2])
     valid = torch.tensor([True, False, True, False, True])
     want = torch.where(valid[:, None], t[index], 0)
-    assert torch.equal(moe._take_valid(t, index, valid), want)
+    assert torch.equal(moe_autograd.take_valid(t, index, valid), want)
     if gathered:  # no valid entry: t may then have no rows (embedding_bag's path needs one)
         nothing = torch.zeros(3, dtype=torch.bool)
         assert torch.equal(
-            moe._take_valid(t[:0], torch.zeros(3, dtype=torch.int64), nothing), t.new_zeros(3, 3)
+            moe_autograd.take_valid(t[:0], torch.zeros(3, dtype=torch.int64), nothing), t.new_zeros(3, 3)
         )
 
 

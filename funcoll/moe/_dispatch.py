@@ -1,0 +1,501 @@
+"""``dispatch`` and ``combine``: the argument checks, the counts' exchange and the row moves of each mode."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _even, _prims
+from .._async import wait
+from .._checks import IntLike, check_tensor
+from .._config import checks_enabled
+from .._faults import public_op
+from .._group import Group, GroupLike, resolve_group
+from .._header import host_ints
+from ._autograd import Gather, take, weighted_sum
+from ._dropless import Dropless
+from ._handle import MoEHandle
+from ._layout import (
+    block_layout,
+    count,
+    drops,
+    eager_rows,
+    exact_sizes,
+    exclusive,
+    expert_layout,
+    inverse,
+    is_int,
+    rank_in_dest,
+)
+
+MODES = ("exact", "static", "dropless")
+
+
+def _check_dispatch_args(
+    x: object,
+    topk_idx: object,
+    num_experts: object,
+    world: int,
+    mode: object,
+    capacity: object,
+    align: object,
+    counts: object = None,
+    topk_weights: object = None,
+) -> tuple[Tensor, Tensor]:
+    """Every argument check of :func:`dispatch`, before any communication."""
+    opname = "funcoll.moe.dispatch"
+    x = check_tensor(opname, "x", x)
+    topk_idx = check_tensor(opname, "topk_idx", topk_idx)
+    if x.dim() != 2:
+        raise ValueError(f"{opname}: `x` must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    if topk_idx.dim() != 2:
+        raise ValueError(f"{opname}: `topk_idx` must be 2-D (tokens, k), got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"{opname}: `topk_idx` must hold integer expert ids, got dtype {topk_idx.dtype}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError(
+            f"{opname}: `topk_idx` has shape {tuple(topk_idx.shape)}: each token needs k >= 1 choices"
+        )
+    if isinstance(x.shape[0], int) and isinstance(topk_idx.shape[0], int) and x.shape[0] != topk_idx.shape[0]:
+        raise ValueError(
+            f"{opname}: `topk_idx` has {topk_idx.shape[0]} rows but `x` has {x.shape[0]} tokens: one row per token"
+        )
+    torch._check(x.shape[0] == topk_idx.shape[0])
+    if not is_int(num_experts):
+        raise TypeError(f"{opname}: `num_experts` must be an int, got {type(num_experts).__name__}")
+    if num_experts <= 0 or num_experts % world:  # type: ignore[operator]
+        raise ValueError(
+            f"{opname}: `num_experts`={num_experts} must be a positive multiple of the group's {world} ranks "
+            f"(each rank owns num_experts // world experts)"
+        )
+    if mode not in MODES:
+        raise ValueError(f"{opname}: `mode`={mode!r} is not one of {MODES} or a funcoll.moe.Dropless policy")
+    if mode == "dropless":
+        if capacity is None:
+            raise ValueError(
+                f"{opname}: `capacity`=None: mode='dropless' needs the capacity its static path tries first"
+            )
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"{opname}: `mode`='dropless' cannot be compiled: it picks static or exact mode on a host "
+                f"read, which one graph cannot branch on; compile mode='exact' (dropless, one host read, "
+                f"one graph for every routing), or run a funcoll.moe.Dropless policy around the compiled forward"
+            )
+    if capacity is not None:
+        if not is_int(capacity):
+            raise TypeError(f"{opname}: `capacity` must be an int or None, got {type(capacity).__name__}")
+        if capacity < 0:  # type: ignore[operator]
+            raise ValueError(f"{opname}: `capacity`={capacity} must be >= 0 (rows per destination rank)")
+        if mode == "exact":
+            raise ValueError(
+                f"{opname}: `capacity`={capacity} is for mode='static' or 'dropless'; mode='exact' drops nothing"
+            )
+    if not is_int(align):
+        raise TypeError(f"{opname}: `align` must be an int, got {type(align).__name__}")
+    if align < 1:  # type: ignore[operator]
+        raise ValueError(f"{opname}: `align`={align} must be >= 1")
+    if counts is not None:
+        counts = check_tensor(opname, "counts", counts)
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"{opname}: `counts` must hold integer pair counts, got dtype {counts.dtype}")
+        if tuple(counts.shape) != (num_experts,):
+            raise ValueError(
+                f"{opname}: `counts` has shape {tuple(counts.shape)}, expected (num_experts,) = ({num_experts},): "
+                f"this rank's (token, choice) pairs routed to each expert"
+            )
+    if topk_weights is not None:
+        topk_weights = check_tensor(opname, "topk_weights", topk_weights)
+        if tuple(topk_weights.shape) != tuple(topk_idx.shape) and all(
+            isinstance(n, int) for n in (*topk_weights.shape, *topk_idx.shape)
+        ):
+            raise ValueError(
+                f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected `topk_idx`'s "
+                f"{tuple(topk_idx.shape)}: one weight per (token, choice)"
+            )
+    return x, topk_idx
+
+
+def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group) -> Tensor:
+    """Send ``send[j]`` of `rows` to rank j, receive ``recv[i]`` from rank i: all_to_all_v's move.
+
+    The sizes are host ints already, so this is ``all_to_all_v(rows, send, recv)``'s
+    primitive (its backward: the same with the sizes swapped) without the
+    ``recv_sizes`` tensor that op also returns: on CUDA, building that tensor from
+    host ints is a blocking host-to-device copy, which combine must not pay.
+    """
+    if g.is_single:
+        return rows
+    torch._check(sum(send) == rows.shape[0])
+    return _prims.all_to_all_p(rows, recv, send, g.name)
+
+
+def _exchange_blocks(t: Tensor, group: GroupLike, g: Group) -> Tensor:
+    """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
+
+    One rank: `t` itself. Dispatch and combine pass only their own intermediates,
+    which need not be copied into a new tensor, as the public op does (one copy of
+    the send buffer each way in a one-rank group).
+    """
+    return t if g.is_single else _even.all_to_all(t, group, 0, 0)
+
+
+@public_op("moe.dispatch")
+def dispatch(
+    x: Tensor,
+    topk_idx: Tensor,
+    num_experts: int,
+    *,
+    group: GroupLike = None,
+    mode: str | Dropless = "exact",
+    capacity: int | None = None,
+    align: int = 1,
+    counts: Tensor | None = None,
+    topk_weights: Tensor | None = None,
+) -> tuple[Tensor, MoEHandle]:
+    """Send each token's k routed copies to the ranks of their experts, grouped by local expert.
+
+    Args:
+        x: ``(T, H)`` this rank's tokens (any ``T >= 0``, the same ``H`` and dtype on every rank).
+        topk_idx: ``(T, k)`` integer expert ids in ``[0, num_experts)``: token t's
+            choice j goes to expert ``topk_idx[t, j]`` on rank ``topk_idx[t, j] // E_local``.
+        num_experts: ``E``, a positive multiple of the group's size; rank r owns
+            experts ``[r * E_local, (r + 1) * E_local)`` with ``E_local = E // world``.
+        group: the communicator.
+        mode: ``"exact"`` (sizes read on the host once, nothing dropped),
+            ``"static"`` (static shapes, no host read, a capacity per destination),
+            ``"dropless"`` (eager: static with the group's largest `capacity` if it
+            drops nothing on any rank, else exact; one host read), or a
+            :class:`Dropless` policy (static with the policy's capacity inside
+            ``policy.run``, which reads one overflow flag per step and runs an
+            overflowed step again in exact mode).
+        capacity: static mode: rows each rank may send to each rank (``C``); the
+            first ``C`` pairs in token-major order are kept, the rest dropped and
+            counted in ``handle.dropped``. None: ``T * k``, dropless (every rank
+            must then hold the same ``T``). Dropless mode: the capacity of its
+            static path (required). Must be None in exact mode.
+        align: each local expert's block in ``recv`` starts at a multiple of it
+            and is padded with zero rows to one.
+        counts: ``(E,)`` integer, this rank's pairs routed to each expert, if the
+            caller has counted them already (torchtitan's router does): dispatch
+            then counts nothing itself. They must be ``topk_idx``'s counts; under
+            ``funcoll.set_checks(True)`` dispatch checks that they are.
+        topk_weights: ``(T, k)`` the router's weights, if the caller has them at
+            dispatch: kept in the handle for :func:`combine`, which then needs none.
+
+    Returns:
+        ``(recv, handle)``. ``recv`` is ``(R, H)``: local expert 0's rows, then
+        expert 1's, ...; within an expert, rows from rank 0 first, each source's
+        rows in its token order. ``handle.counts`` (int64 ``(E_local,)`` on ``x``'s
+        device) holds each expert's true row count, ``handle.offsets`` where its
+        block starts and ``handle.ends`` (int32) where it ends, the ``offs`` of a
+        grouped GEMM; rows outside the blocks are zero. Exact mode: ``R`` is the sum
+        of the counts, each rounded up to `align` (a data-dependent size: an
+        unbacked SymInt when compiled). Static mode: ``R = world * C + E_local *
+        (align - 1)`` rounded up to `align`, a static size. Dropless mode: static
+        mode's ``recv`` and handle if ``handle.group_needed <= handle.capacity``
+        (then ``handle.mode == "static"`` and nothing was dropped; the capacity is
+        the group's largest), exact mode's otherwise.
+
+    Host syncs: exact mode reads ``2 * world + 1`` ints on the host once (the rows
+    sent to and received from each rank, which an uneven all-to-all takes as host
+    ints, and ``R``); static mode reads nothing; dropless mode reads ``2 * world +
+    3`` once (the group's need and capacity, then exact mode's ints), after the
+    counts' all_gather.
+
+    Backward: combine's data movement without the weights: the gradient rows of
+    ``recv`` go back to their source rank (``all_to_all_v`` with the sizes swapped,
+    or the even ``all_to_all`` of the blocks) and each token's gradient
+    is the sum over its k copies (the adjoint of the row gather); padding and
+    dropped pairs give zero.
+
+    Example (2 ranks, E = 4, so E_local = 2, k = 1)::
+
+        # rank 0: x = [[1], [2], [3]], topk_idx = [[3], [0], [2]]
+        # rank 1: x = [[4], [5]],      topk_idx = [[1], [0]]
+        recv, handle = dispatch(x, topk_idx, 4)
+        # rank 0: recv = [[2], [5], [4]]   handle.counts = [2, 1]   (expert 0: 2 from rank 0, 5 from rank 1)
+        # rank 1: recv = [[3], [1]]        handle.counts = [1, 1]   (expert 2: 3; expert 3: 1)
+        recv, handle = dispatch(x, topk_idx, 4, align=2)
+        # rank 0: recv = [[2], [5], [4], [0]]   handle.offsets = [0, 2]   handle.ends = [2, 4]
+        recv, handle = dispatch(x, topk_idx, 4, mode="dropless", capacity=2)
+        # both: handle.group_needed = 2 (each rank sends 2 pairs to the other) <= 2: static mode
+        # rank 0: recv = [[2], [5], [4], [0]]   rank 1: recv = [[3], [1], [0], [0]]
+        # with capacity=1: exact mode, the first call's recv on each rank
+    """
+    opname = "funcoll.moe.dispatch"
+    policy = mode if isinstance(mode, Dropless) else None
+    if policy is not None:
+        mode, capacity = policy._mode(capacity)
+    g = resolve_group(opname, group)
+    x, topk_idx = _check_dispatch_args(
+        x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
+    )
+    world = g.size
+    e_local = num_experts // world
+    tokens, k = x.shape[0], topk_idx.shape[1]
+    device = x.device
+    expert = topk_idx.to(device=device, dtype=torch.int64).reshape(-1)  # pair f = t * k + j
+    torch._assert_async(  # floor division gives 0 exactly for the ids in [0, E): one pass, not two compares
+        (expert // num_experts == 0).all(),
+        f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
+    )
+    given = None if counts is None else counts.to(device=device, dtype=torch.int64)  # the caller's
+    if given is not None and checks_enabled():  # the caller's counts route the data: wrong ones misroute it
+        torch._assert_async(
+            (given == count(expert, num_experts)).all(),
+            f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
+        )
+    n_pairs = expert.shape[0]
+    known: tuple[Tensor, list[int]] | None = None  # dropless: the counts exchanged and the ints read
+    group_needed = None
+    order = None  # the pairs in the order they are sent: by expert, so by destination rank
+    if mode == "dropless":
+        # Static if no rank of the group routes more pairs to one rank than the group's
+        # largest `capacity` (then nothing drops), exact otherwise. One all_gather of every
+        # rank's per-expert counts and capacity gives every rank the whole table: its own
+        # received counts (the column block of its experts), and the group's need and
+        # capacity, the same on every rank, so every rank takes the same path with the
+        # same capacity (ranks whose capacities differ, from different token counts,
+        # agree on the largest).
+        given = count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
+        # The capacity is filled in on the device: a tensor made from the host int would
+        # be a copy the host waits for on CUDA, a second sync beside the one below.
+        row = torch.cat([given, torch.full_like(given[:1], capacity)])
+        table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=group, tiled=False)
+        # While the table travels: the pairs by expert (token-major within one), the order
+        # both paths send them in. The static path is taken only when nothing drops, so
+        # it sends every pair, as exact mode does.
+        order = torch.sort(expert, stable=True).indices
+        # The table is read at once (the need, then the layout): waited here, so that its
+        # small ops run on a plain tensor, not each through a pending result's dispatch.
+        table = wait(table)
+        recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
+        sends = table[:, :num_experts].reshape(world, world, e_local).sum(2)  # rows rank s routes to rank d
+        per_dest = sends[g.rank]
+        # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
+        # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
+        # ints, so that an overflow reads nothing more.
+        agreed = (sends.max().view(1), table[:, num_experts].max().view(1))
+        ints = host_ints(exact_sizes(per_dest, sends[:, g.rank], recv_counts, align, head=agreed))
+        group_needed, capacity = ints[0], ints[1]
+        mode = "static" if group_needed <= capacity else "exact"
+        known = (recv_counts, ints[2:])
+    keep = None  # static mode: whether each pair is sent (not dropped); None: every pair is
+    if mode == "static":
+        cap = n_pairs if capacity is None else capacity
+        # Static mode proper drops the pairs past `cap` for one destination, unless none can
+        # (see `drops`): then every pair is sent as on dropless's static path, with no drop order.
+        if drops(cap, n_pairs, dropless=known is not None):
+            dest = expert // e_local  # each pair's destination rank
+            # pairs bound to each rank, before the capacity
+            wanted = count(dest, world) if given is None else given.view(world, e_local).sum(1)
+            keep = rank_in_dest(dest, world, wanted) <= cap
+    if keep is None:
+        per_expert = count(expert, num_experts) if given is None else given
+    else:
+        per_expert = count(expert, num_experts, keep.to(torch.int64))
+    if known is None:
+        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
+        # source. Issued before the send side is laid out, which runs while they travel.
+        recv_counts = _exchange_blocks(per_expert.view(world, e_local), group, g)
+    else:  # dropless: exchanged already (static mode's path: every pair fits)
+        recv_counts = known[0]
+    if order is None:  # by expert, the dropped pairs (key E) after the kept ones
+        order = torch.sort(
+            expert if keep is None else torch.where(keep, expert, num_experts), stable=True
+        ).indices
+    if mode == "exact":
+        row_of = inverse(order)
+        send_index = order // k
+        send_rows = Gather.apply(x, send_index, False, row_of.view(tokens, k), None)
+    if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
+        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
+    if mode == "static":
+        # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
+        # then zero rows; on the wire each block has one row more than `cap`, never
+        # data, so the last row of every received block is a zero row that empty
+        # layout rows read. In `order` the kept pairs come first, by expert (so by
+        # destination): slot i of block d holds pair order[first[d] + i] if i < sent[d].
+        block = cap + 1
+        sent = per_dest if keep is None else wanted.clamp(max=cap)
+        first = exclusive(sent)
+        i = torch.arange(block, device=device)
+        free = (i >= sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds no pair
+        at = (first.unsqueeze(1) + i).view(-1)  # a free slot: some later pair, or past them
+        if eager_rows(n_pairs):  # a free slot reads any pair, then holds none (T * k)
+            pair_of_slot = order.index_select(0, at.clamp_(max=n_pairs - 1)).masked_fill_(free, n_pairs)
+        else:  # `order` may have no pair to read: T * k read from one more entry
+            pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(
+                0, at.masked_fill_(free, n_pairs)
+            )
+        # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
+        # row of block 0 (zeros, which combine weights by zero; no kept pair's slot is a
+        # spare row); with none dropped, every pair's entry is written.
+        if keep is None:
+            row_of = torch.empty(n_pairs + 1, dtype=torch.int64, device=device)
+        else:
+            row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
+        row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
+        send_index = pair_of_slot // k  # an empty slot: T, past x's rows
+        # An empty slot reads any row of x, and each block's spare row is zeroed (x is
+        # not copied with a zero row), unless x has no row to read.
+        spare: bool | int = block if eager_rows(tokens) else True
+        # Its backward sums each token's slots (one bag of k): a gather, not a scatter
+        # into zeros. A dropped pair's is the spare row of block 0, whose gradient is
+        # zero (the layout's backward zeroes the spare rows).
+        if x.dtype.is_floating_point:
+            send_rows = Gather.apply(x, send_index, spare, row_of.view(tokens, k), None)
+        else:
+            send_rows = take(x, send_index, spare)
+        if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
+            per_dest = wanted
+    # Read at once by the layout's small ops (and exact mode's host read): waited here,
+    # so that they run on a plain tensor, not each through a pending result's dispatch.
+    recv_counts = wait(recv_counts)
+    if mode == "exact":
+        # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
+        # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
+        # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
+        # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
+        # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
+        if known is None:
+            ints = host_ints(exact_sizes(per_dest, recv_counts.sum(1), recv_counts, align))
+        else:  # dropless, overflowed: read with the need
+            ints = known[1]
+        send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
+        n_in = sum(recv_sizes)
+        torch._check(rows >= n_in)
+        recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
+        source, dest_of, counts, offsets, ends = expert_layout(recv_counts, n_in, rows, align)
+        back_index = dest_of  # every received row is data: no index past the rows of y
+        extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
+    else:
+        n_in = world * block  # block s from source s: its kept pairs by expert, then zero rows
+        rows = -(-(world * cap + e_local * (align - 1)) // align) * align
+        # One even all_to_all of the blocks: the counts are known from the counts exchange,
+        # so nothing else travels (no header, no pack; the blocks stay where they land).
+        recv = _exchange_blocks(send_rows, group, g)
+        source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
+        # The rows combine sends back, as the blocks came: block row q carries its layout
+        # row, if it holds data; otherwise an index past y's rows, which combine's gather
+        # clamps (any row of y; each block's spare row zeros), or, if y has none, reads
+        # as a zero row (index 0). Combine reads back only the slots that carry a pair
+        # and the spare row of block 0.
+        back_index = dest_of if rows > 0 else dest_of.clamp(max=0)
+        extra = {"_keep": keep, "_free": free, "_recv_table": recv_counts}
+    # The backward gathers each received row's gradient from its layout row. A block row
+    # that holds no data (static mode) gets the last layout row's, unread by its sender,
+    # except the spare rows, zero: a dropped pair's names its sender's spare row.
+    if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
+        out = take(recv, source, spare=False)
+    else:
+        blocks = block if mode == "static" else None
+        out = Gather.apply(recv, source, mode == "exact" and align > 1, back_index, blocks)
+    handle = MoEHandle(
+        mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
+        align=align, group=group, counts=counts, offsets=offsets, ends=ends,
+        topk_weights=topk_weights,
+        send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
+        send_pairs=order if mode == "exact" else pair_of_slot,
+        group_needed=group_needed, _per_dest=per_dest, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    if policy is not None and mode == "static":
+        policy._record(handle.needed)
+    return out, handle
+
+
+@public_op("moe.combine")
+def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) -> Tensor:
+    """Bring the experts' outputs back to their tokens and sum each token's k of them, weighted.
+
+    Args:
+        y: ``(R, H')`` the experts' outputs in the layout of :func:`dispatch`'s ``recv``
+            (rows outside the experts' blocks are ignored).
+        handle: what dispatch returned with ``recv``.
+        topk_weights: ``(T, k)`` the router's weights, on ``y``'s device; None:
+            those given to dispatch (``handle.topk_weights``).
+
+    Returns:
+        ``(T, H')``: ``out[t] = sum_j topk_weights[t, j] * y_row(t, j)``, where
+        ``y_row(t, j)`` is the row dispatch made of token t's choice j (zero for a
+        pair dropped in static mode), in this rank's token order.
+
+    Host syncs: none (exact mode reuses the host sizes in `handle`).
+
+    Backward: dispatch's data movement: each token's gradient, scaled by each of
+    its k weights, goes to its expert's rank and row (``all_to_all_v`` with the
+    sizes swapped, or the even ``all_to_all`` of the blocks); the gradient of ``topk_weights[t, j]``
+    is the dot product of the output's gradient with ``y_row(t, j)``.
+
+    Example (2 ranks, continuing :func:`dispatch`'s, the experts the identity)::
+
+        # rank 0: topk_weights = [[0.5], [1.0], [2.0]]   rank 1: topk_weights = [[1.0], [1.0]]
+        combine(recv, handle, topk_weights)
+        # rank 0: [[0.5], [2.0], [6.0]]   rank 1: [[4.0], [5.0]]
+    """
+    opname = "funcoll.moe.combine"
+    y = check_tensor(opname, "y", y)
+    if not isinstance(handle, MoEHandle):
+        raise TypeError(
+            f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
+        )
+    if topk_weights is None:
+        if handle.topk_weights is None:
+            raise TypeError(
+                f"{opname}: `topk_weights` is None and dispatch was given none: pass the router's weights "
+                f"to dispatch or to combine"
+            )
+        topk_weights = handle.topk_weights
+    topk_weights = check_tensor(opname, "topk_weights", topk_weights)
+    if y.dim() != 2:
+        raise ValueError(f"{opname}: `y` must be 2-D (rows, hidden), got shape {tuple(y.shape)}")
+    rows = handle.recv_source.shape[0]
+    if isinstance(y.shape[0], int) and isinstance(rows, int) and y.shape[0] != rows:
+        raise ValueError(
+            f"{opname}: `y` has {y.shape[0]} rows but dispatch's `recv` had {rows}: the same layout"
+        )
+    torch._check(y.shape[0] == rows)
+    want = (handle.tokens, handle.topk)
+    if tuple(topk_weights.shape) != want and all(isinstance(n, int) for n in topk_weights.shape):
+        raise ValueError(
+            f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected (T, k) = {want}"
+        )
+    # Every index is a row of y, and every index of row_of a row of what comes back
+    # (static mode: the rows after the data are zero), except when y has no rows.
+    # The backward gathers each layout row's gradient from the row that carried it
+    # back; layout rows that hold no data (padding, empty capacity) get none. Static
+    # mode: they read the last block's spare row, whose gradient is zero (its sender's
+    # spare slot carries no pair, and the weighted sum's backward gives such a slot
+    # zero, exactly), so the gather needs no mask.
+    if handle.mode == "exact" and handle.align > 1:  # padding to `align`: index n_back
+        data = handle.recv_source < handle.back_index.shape[0]
+    else:
+        data = None
+    # Static mode: every block's spare row is zero (a dropped pair reads block 0's),
+    # and its other empty rows any row of y; if y has no row, every row reads a zero row.
+    block = None if handle.capacity is None else handle.capacity + 1  # a block's rows
+    if block is None:
+        spare: bool | int = False
+    else:
+        spare = block if rows > 0 else True
+    back = Gather.apply(y, handle.back_index, spare, handle.recv_source, data)
+    if handle.mode == "exact":
+        assert handle.send_sizes is not None and handle.recv_sizes is not None
+        g = resolve_group(opname, handle.group)
+        returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
+    else:  # the blocks go back to their senders as they came, one even all_to_all
+        returned = _exchange_blocks(back, handle.group, resolve_group(opname, handle.group))
+    row_of = handle.row_of.view(handle.tokens, handle.topk)
+    n_pairs = handle.tokens * handle.topk
+    skip: int | None = None
+    zero: Tensor | int | None = None
+    if block is not None:  # static mode (in exact mode every returned row carries a pair)
+        # A dropped pair's row_of is the spare row of block 0 (zeros), which no kept
+        # pair's is; weighted by zero, where a pair may have dropped.
+        dropless = handle.group_needed is not None
+        skip = handle.capacity if drops(handle.capacity, n_pairs, dropless) else None
+        # Which returned rows' gradients are zero: the spare rows alone (the last of each
+        # block) where a pair's gradient can stand in for the other empty slots', else
+        # every slot that carries no pair.
+        zero = block if eager_rows(n_pairs) else handle.send_data
+    return weighted_sum(returned, row_of, topk_weights, skip, handle.send_pairs, zero)
