@@ -39,12 +39,13 @@ its readers (which collectives a graph holds).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +56,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import _spec, compat
-from funcoll.testing import RankError, in_flight, run_ranks, settled
+from funcoll.testing import Collective, RankError, graph_collectives, in_flight, run_ranks, settled
 
 __all__ = [
     "A2A",
@@ -80,6 +81,7 @@ __all__ = [
     "forbidden_calls",
     "has_error",
     "in_flight",
+    "last_rank_shifted",
     "loss_weights",
     "moe_step",
     "ragged_sizes",
@@ -105,7 +107,34 @@ def ragged_sizes(world: int, alt: bool = False) -> list[int]:
     ``ragged_sizes(2) == [1, 0]``, ``ragged_sizes(3) == [1, 0, 4]``;
     ``ragged_sizes(2, alt=True) == [3, 0]``, ``ragged_sizes(3, alt=True) == [3, 0, 2]``.
     """
-    return [(2 * r + 3) % 5 if alt else (4 * r + 1) % 5 for r in range(world)]
+    sizes = [(2 * r + 3) % 5 if alt else (4 * r + 1) % 5 for r in range(world)]
+    if _LAST_RANK_SHIFTED and world > 1:
+        sizes[-1] = (sizes[-1] + 2) % 5
+    return sizes
+
+
+_LAST_RANK_SHIFTED = False
+
+
+@contextlib.contextmanager
+def last_rank_shifted() -> Iterator[None]:
+    """Inside the block, the last rank's ``ragged_sizes`` entry is ``(n + 2) % 5``: another static shape.
+
+    Its rows to itself in ``send_sizes`` / ``recv_sizes`` are ``(n + 2) % 4`` too.
+
+    A step run inside it, then the same step outside, is a schedule in which only the
+    last rank sees a new shape on the second step (``ragged_sizes(2)``: 2 rows, then
+    0; ``ragged_sizes(3)``: 1, then 4): that rank compiles again (a dimension that
+    changed is dynamic on dynamo's second try, a 0 stays static), the others run
+    what they compiled first. The sizes a case passes as arguments change on every
+    rank alike, so a case that passes them recompiles everywhere.
+    """
+    global _LAST_RANK_SHIFTED
+    _LAST_RANK_SHIFTED = True
+    try:
+        yield
+    finally:
+        _LAST_RANK_SHIFTED = False
 
 
 def send_sizes(rank: int, world: int) -> list[int]:
@@ -114,12 +143,18 @@ def send_sizes(rank: int, world: int) -> list[int]:
     O(world) so that a trace at 1024 ranks stays cheap; ``send_sizes(0, 2) == [1, 3]``,
     ``send_sizes(1, 2) == [2, 0]``.
     """
-    return [(rank + 2 * j + 1) % 4 for j in range(world)]
+    sizes = [(rank + 2 * j + 1) % 4 for j in range(world)]
+    if _LAST_RANK_SHIFTED and rank == world - 1 > 0:  # other rows to itself: no other rank's shape changes
+        sizes[-1] = (sizes[-1] + 2) % 4
+    return sizes
 
 
 def recv_sizes(rank: int, world: int) -> list[int]:
     """Rows rank `rank` receives from each rank: column `rank` of the send sizes."""
-    return [(i + 2 * rank + 1) % 4 for i in range(world)]
+    sizes = [(i + 2 * rank + 1) % 4 for i in range(world)]
+    if _LAST_RANK_SHIFTED and rank == world - 1 > 0:
+        sizes[-1] = (sizes[-1] + 2) % 4
+    return sizes
 
 
 def _rank_and_world(group: Any = None) -> tuple[int, int]:
@@ -910,8 +945,13 @@ class _Traced(Exception):
     """Raised by a graph compiled by :func:`trace_graphs`: the graphs are recorded, nothing runs."""
 
 
-def recording_backend(graphs: dict[str, Any], run: bool = True) -> Any:
+def recording_backend(
+    graphs: dict[str, Any], run: bool = True, collectives: list[list[Collective]] | None = None
+) -> Any:
     """aot_autograd with the partitioner aot_eager and inductor use; records the graphs in `graphs`.
+
+    `collectives`, when given, receives each graph's :class:`funcoll.testing.Collective`
+    list (forward, then backward) for :func:`funcoll.testing.collective_mismatch`.
 
     The min-cut partitioner matters: it may move backward nodes that do not depend
     on the gradient into the forward, collectives included. With `run` the
@@ -921,9 +961,12 @@ def recording_backend(graphs: dict[str, Any], run: bool = True) -> Any:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    collectives = [] if collectives is None else collectives
+
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         graphs["fw"], graphs["bw"] = summarize_graph(fw.graph), summarize_graph(bw.graph)
+        collectives[:] = [graph_collectives(fw), graph_collectives(bw)]
         return fw, bw
 
     def stop(*args: Any) -> Any:
@@ -931,6 +974,7 @@ def recording_backend(graphs: dict[str, Any], run: bool = True) -> Any:
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         graphs.setdefault("fw", summarize_graph(gm.graph))  # an inference graph: no partition
+        collectives[:] = collectives or [graph_collectives(gm)]
         return gm.forward if run else stop
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
@@ -939,12 +983,14 @@ def recording_backend(graphs: dict[str, Any], run: bool = True) -> Any:
 def trace_graphs(case: OpCase, rank: int, world: int, backward: bool = True) -> dict[str, Any]:
     """Trace ``case.call`` on this rank's inputs into AOT forward/backward graphs, without running them.
 
-    Returns ``{"graphs": {"fw": calls, "bw": calls}, "seconds": trace time}`` (``bw``
-    only when an input requires grad, calls as :func:`summarize_graph` gives them),
+    Returns ``{"graphs": {"fw": calls, "bw": calls}, "collectives": [fw, bw],
+    "seconds": trace time}`` (``bw`` only when an input requires grad, calls as
+    :func:`summarize_graph` gives them, collectives as :func:`graph_collectives`),
     or ``{"error": traceback}``. Nothing executes, so it is safe on the fake process
     group, and no rank can be left waiting in a collective.
     """
     graphs: dict[str, Any] = {}
+    collectives: list[list[Collective]] = []
     wants_grad = backward and case.grad != "none"
     inputs = tuple(
         t.requires_grad_(wants_grad and i in case.grad_inputs) for i, t in enumerate(case.inputs(rank, world))
@@ -952,10 +998,11 @@ def trace_graphs(case: OpCase, rank: int, world: int, backward: bool = True) -> 
     torch._dynamo.reset()
     start = time.perf_counter()
     try:
-        torch.compile(case.call, fullgraph=True, backend=recording_backend(graphs, run=False))(*inputs)
+        backend = recording_backend(graphs, run=False, collectives=collectives)
+        torch.compile(case.call, fullgraph=True, backend=backend)(*inputs)
         return {"error": "the compiled function ran instead of stopping after the trace"}
     except _Traced:
-        return {"graphs": graphs, "seconds": time.perf_counter() - start}
+        return {"graphs": graphs, "collectives": collectives, "seconds": time.perf_counter() - start}
     except Exception:  # noqa: BLE001 -- a failed trace is a result the test reports
         return {"error": traceback.format_exc(limit=-8)}
     finally:

@@ -23,10 +23,17 @@ own width); the others at 64 ranks. An op that exchanges sizes traces
 30 to 90 seconds an op at 1024, a tenth of that at 256. Their graphs' structure does
 not change past 64 ranks but for the ragged gather's "auto", which is one
 all_to_all up to 64 ranks and pads past them: it is traced at 256.
+
+Ranks whose local shapes differ issue the same collectives at 64 ranks too: ranks
+0, 1 and 63 (1, 0 and 3 rows along the ragged dim) trace every case, each in a
+child of its own, and :func:`funcoll.testing.collective_mismatch` compares their
+forward graphs and their backward graphs (test_rank_shapes does the same on real
+ranks, where it also pairs all_to_all's splits, which needs every rank's graph).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -48,7 +55,7 @@ from _ops import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from funcoll.testing import group_of, run_ranks
+from funcoll.testing import collective_mismatch, group_of, run_ranks
 
 # The cases marked `at_scale` in _ops.CASES: one or two per op and argument set.
 _ALL = tuple(c.id for c in CASES if c.at_scale)
@@ -153,3 +160,45 @@ def test_all_gather_output_holds_one_block_per_rank() -> None:
         gathers = [c for c in got["graphs"]["fw"] if c["op"].endswith(AG)]
         # x is (3, 5): the gathered tensor is (3 * world, 5), read off the traced node
         assert [c["out_shape"] for c in gathers] == [[3 * world, 5]], f"world {world}"
+
+
+# ------------------------------------------------------ ranks with other local shapes
+# Three ranks of 64 with 1, 0 and 3 rows along the ragged dim (_ops.ragged_sizes), each
+# tracing on its own: their graphs must issue the same collectives (op, group, the sizes
+# the graph knows), forward and backward, as the 2 to 3 real ranks of test_rank_shapes do.
+# What all_to_all's splits pair with needs every rank's graph: the real ranks check it.
+SHAPE_WORLD = 64
+SHAPE_RANKS = (0, 1, 63)
+
+
+def _trace_as_rank(rank: int, world: int) -> dict[str, Any]:
+    """In run_ranks child `rank`: trace every case as rank ``SHAPE_RANKS[rank]`` of a fake group of 64."""
+    fake_rank = SHAPE_RANKS[rank]
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=fake_rank, world_size=SHAPE_WORLD)
+    try:
+        traced = {cid: trace_graphs(CASES_BY_ID[cid], fake_rank, SHAPE_WORLD) for cid in _ALL}
+        return {cid: t.get("error") or t["collectives"] for cid, t in traced.items()}
+    finally:
+        dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # for run_ranks to destroy
+
+
+@functools.cache
+def _rank_traces() -> list[dict[str, Any]]:
+    return run_ranks(_trace_as_rank, len(SHAPE_RANKS), backend="fake", timeout=600)
+
+
+@pytest.mark.parametrize("cid", [c for c in _ALL if c not in KNOWN_BUGS])
+def test_ranks_with_other_shapes_issue_the_same_collectives_at_64(cid: str) -> None:
+    got = [traces[cid] for traces in _rank_traces()]
+    errors = [f"rank {r}:\n{g}" for r, g in zip(SHAPE_RANKS, got, strict=True) if isinstance(g, str)]
+    assert not errors, "\n".join(errors)
+    assert [len(g) for g in got] == [len(got[0])] * len(got), "the ranks trace different numbers of graphs"
+    assert any(got[0]), "no collective traced"
+    for phase, name in enumerate(("forward", "backward")[: len(got[0])]):
+        seqs = [[dataclasses.replace(c, send=None, recv=None) for c in g[phase]] for g in got]
+        mismatch = collective_mismatch(seqs)
+        assert mismatch is None, (
+            f"{name} (ranks {SHAPE_RANKS} of {SHAPE_WORLD}, as ranks 0, 1, 2): {mismatch}"
+        )

@@ -20,7 +20,10 @@ with its compute/communication overlap passes (sink waits, raise comms, reorder
 compute), which move collectives and waits per graph.
 
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
-0 rows at every world size, ``_ops.ragged_sizes``), and ``funcoll.moe`` dispatch and
+0 rows at every world size, ``_ops.ragged_sizes``), run for two steps of which only
+the last rank's shape changes (``_ops.last_rank_shifted``): that rank alone compiles
+again on the second, with a shape it sees for the first time (dynamic at 3 ranks,
+0 rows at 2), and its graphs must pair with those its peers compiled on the first; ``funcoll.moe`` dispatch and
 combine in exact and static modes, with one rank routing 0 tokens on the second
 step, so that it alone compiles a new graph while the others reuse theirs (the
 case that failed: on that rank inductor's ``cat`` decomposition dropped the empty
@@ -46,6 +49,8 @@ from _ops import (
     CASES,
     CASES_BY_ID,
     STOPPED,
+    OpCase,
+    last_rank_shifted,
     moe_step,
     reference_grads,
     reference_outputs,
@@ -193,7 +198,32 @@ def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
         return {"run": _compiled(both, compiler)}
     case = CASES_BY_ID[case_id]
     fn = torch.compile(case.call, fullgraph=True, backend=backend)
-    return {"run": _compiled(lambda: run_case(case, rank, world, fn), compiler)}
+
+    def two_steps() -> dict[str, Any]:
+        # A first step in which the last rank holds another length: on the second it alone
+        # sees a new static shape and compiles again (at 3 ranks with that dim dynamic, at 2
+        # with 0 rows, a size dynamo keeps static); the others run what they compiled first.
+        with last_rank_shifted():
+            first = run_case(case, rank, world, fn)
+        return first if "error" in first else run_case(case, rank, world, fn)
+
+    run = _compiled(two_steps, compiler)
+    if "graphs" in run:  # the graphs the second step ran: each rank's last forward (and backward)
+        run["compiled"] = len(run["graphs"])
+        run["graphs"] = run["graphs"][-_phases(case) :]
+    return {"run": run}
+
+
+def _phases(case: OpCase) -> int:
+    """Graphs a step of `case` compiles: a forward, and a backward where an input needs a gradient."""
+    return 1 if case.grad == "none" else 2
+
+
+def _last_rank_shape_changes(case: OpCase, world: int) -> bool:
+    """Whether the last rank's inputs have another shape on the first step of ``two_steps``."""
+    with last_rank_shifted():
+        first = [t.shape for t in case.inputs(world - 1, world)]
+    return first != [t.shape for t in case.inputs(world - 1, world)]
 
 
 def _keys(world: int) -> list[str]:
@@ -258,8 +288,12 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
     # collective its peers issue next (another layer's forward), not with their backward's.
     case_id = key.split("|", 1)[1]
     op_case = CASES_BY_ID.get(case_id)
-    phases = ("forward",) if op_case is not None and op_case.grad == "none" else ("forward", "backward")
+    phases = ("forward", "backward")[: 2 if op_case is None else _phases(op_case)]
     assert [len(run["graphs"]) for run in runs] == [len(phases)] * world, [len(run["graphs"]) for run in runs]
+    if op_case is not None and _last_rank_shape_changes(op_case, world):  # it compiled on both steps
+        assert runs[-1]["compiled"] == 2 * len(phases), (
+            f"the last rank compiled {runs[-1]['compiled']} graphs"
+        )
     for phase, name in enumerate(phases):
         mismatch = collective_mismatch([run["graphs"][phase] for run in runs])
         assert mismatch is None, f"{name}: {mismatch}"
