@@ -36,9 +36,12 @@ def check_dim(opname: str, x: Tensor, dim: object, arg: str = "dim", extra: int 
     return dim % ndim
 
 
-def check_reduce_op(opname: str, reduce_op: object) -> str:
+def check_reduce_op(opname: str, reduce_op: object, x: Tensor | None = None) -> str:
+    """`reduce_op` lower-cased, one of ``REDUCE_OPS``; ``"avg"`` of `x` (when given) needs a floating dtype."""
     if not isinstance(reduce_op, str) or reduce_op.lower() not in REDUCE_OPS:
         raise ValueError(f"{opname}: `op`={reduce_op!r} is not one of {REDUCE_OPS}")
+    if reduce_op.lower() == "avg" and x is not None and not x.dtype.is_floating_point:
+        raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
     return reduce_op.lower()
 
 
@@ -57,10 +60,6 @@ def tensor_split_sizes(n: IntLike, parts: int) -> list[IntLike]:
     Example: ``tensor_split_sizes(7, 3) == [3, 2, 2]``.
     """
     return [(n - i + parts - 1) // parts for i in range(parts)]
-
-
-def is_float(x: Tensor) -> bool:
-    return x.dtype.is_floating_point or x.dtype.is_complex
 
 
 def fresh(x: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ and ranks whose shapes differ raise funcoll's ``ValueError`` on every rank,
 naming the rank and the value, before any data moves.
 
 Compiled code with checks on waits for each header exchange with ``funcoll::wait``
-(``_faults.wait``) instead of the bare ``wait_tensor``, so that a rank that died or
+(``_faults.checked_wait``) instead of the bare ``wait_tensor``, so that a rank that died or
 stayed away before the op fails the step with the op's name, as in eager code.
 The data collectives keep the bare ``wait_tensor`` (inductor's passes move it), and
 their input depends on the check's host read (``_header.check_agreement``: one pass

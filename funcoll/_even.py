@@ -29,6 +29,7 @@ from ._group import GroupLike, resolve_group
 from ._header import check_agreement
 from ._ragged import reduce_scatter_v
 from ._region import gather_shards
+from ._sym import prod
 from ._wire import unwire, wire, wire_op
 
 __all__ = [
@@ -189,9 +190,7 @@ def reduce_scatter(
     opname = "funcoll.reduce_scatter"
     x = check_tensor(opname, "x", x)
     d = check_dim(opname, x, dim)
-    reduce_op = check_reduce_op(opname, op)
-    if reduce_op == "avg" and not x.dtype.is_floating_point:
-        raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    reduce_op = check_reduce_op(opname, op, x)
     ax = dtensor_input(opname, x, group)
     if ax is not None:  # Partial(op) -> Shard(dim), in DTensor's chunk layout
         if sizes is not None or not tiled:
@@ -267,9 +266,7 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
     """
     opname = "funcoll.all_reduce"
     x = check_tensor(opname, "x", x)
-    reduce_op = check_reduce_op(opname, op)
-    if reduce_op == "avg" and not x.dtype.is_floating_point:
-        raise ValueError(f"{opname}: `op`='avg' needs a floating dtype, got {x.dtype}")
+    reduce_op = check_reduce_op(opname, op, x)
     ax = dtensor_input(opname, x, group)
     if ax is not None:  # Partial(op) -> Replicate(); the gradient of the one value passes through
         ax.expect_partial(reduce_op)
@@ -433,19 +430,12 @@ def all_to_all(
         return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
     # Rows differ in width between ranks: they travel flat, each piece as its elements.
     gm = gd + 1 if gd < s else gd  # the gather dim in xm's layout
-    row = _prod(xm.shape[1:])  # elements per row
+    row = prod(xm.shape[1:])  # elements per row
     rows_of = [[*xm.shape[1:gm], w, *xm.shape[gm + 1 :]] for w in widths]  # rank i's row shape
-    recv = [mine * _prod(r) for r in rows_of]
+    recv = [mine * prod(r) for r in rows_of]
     got = _prims.all_to_all_p(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
     blocks = [b.view(mine, *r) for b, r in zip(torch.split(got, recv), rows_of, strict=True)]
     return unwire(torch.cat(blocks, gm).movedim(0, s).contiguous(), x.dtype)
-
-
-def _prod(dims: Sequence[IntLike]) -> IntLike:
-    n: IntLike = 1
-    for d in dims:
-        n = n * d
-    return n
 
 
 def _static_equal(sizes: Sequence[IntLike]) -> bool:

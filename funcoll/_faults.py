@@ -34,7 +34,7 @@ import torch
 
 from ._config import checks_enabled
 
-__all__ = ["current_op", "failed", "public_op", "remember", "traced_op", "wait"]
+__all__ = ["checked_wait", "current_op", "failed", "public_op", "remember", "traced_op"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -168,7 +168,7 @@ def failed(
 
 
 @torch.library.custom_op("funcoll::wait", mutates_args=())
-def wait(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
+def checked_wait(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
     """Wait for the collective whose output is `x`, naming funcoll's `op` if it failed.
 
     A compiled graph's wait under ``set_checks(True)``: the collective is issued
@@ -189,6 +189,6 @@ torch.fx.node.has_side_effect(torch.ops.funcoll.wait.default)
 torch.fx.node.has_side_effect(torch.ops.funcoll.wait)
 
 
-@wait.register_fake
+@checked_wait.register_fake
 def _wait_fake(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
     return torch.empty_like(x)

@@ -40,7 +40,8 @@ from ._faults import OP_NAMES, op_code
 from ._group import Group, group_of, rank_of, size_of
 from ._prims import Stats
 from ._rows import ints_on
-from ._strategy import STRATEGIES, sym_max, sym_min
+from ._strategy import STRATEGIES
+from ._sym import max_of, min_of
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -682,5 +683,5 @@ def row_sizes(
     if checks_enabled():
         flagged = torch.tensor([*(int(n) for n in sizes), 1], dtype=torch.int64)  # the list, then "given"
         exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
-    stats = (sym_min(sizes), sym_max(sizes), sum(sizes))
+    stats = (min_of(*sizes), max_of(*sizes), sum(sizes))
     return sizes, stats, None

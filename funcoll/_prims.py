@@ -1,6 +1,6 @@
 """The differentiable primitives: each an autograd.Function around ``_c10d_functional`` ops.
 
-Every public reduce_op is a composition of differentiable aten ops (narrow, cat, movedim,
+Every public op is a composition of differentiable aten ops (narrow, cat, movedim,
 pad) and the primitives below, so its backward is assembled by autograd from the
 primitives' adjoints:
 
@@ -45,7 +45,8 @@ from ._checks import IntLike
 from ._config import checks_enabled
 from ._group import wire_name
 from ._rows import cut_padding, pad_rows
-from ._strategy import all_equal, common_rows, resolve, sym_max
+from ._strategy import all_equal, common_rows, resolve
+from ._sym import max_of
 
 _F = torch.ops._c10d_functional
 
@@ -113,7 +114,7 @@ def _run(
     if compiling:
         out = issue(x, wire)
         if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
-            return _faults.wait(out, _faults.traced_op(), collective, group_name, step)
+            return _faults.checked_wait(out, _faults.traced_op(), collective, group_name, step)
         y = _F.wait_tensor(out)
         return torch.ops.aten.alias(y) if _ALIAS_WAIT else y
     _async.drain()  # a gloo collective kept in flight is waited before the next one runs
@@ -438,7 +439,7 @@ def _padded_blocks(
     x: Tensor, sizes: list[IntLike], stats: Stats | None, group_name: str, world: int
 ) -> tuple[Tensor, IntLike]:
     """All-gather `x` padded to ``max(sizes)`` rows: (the ``world * max`` rows, max)."""
-    longest = sym_max(sizes) if stats is None else stats[1]
+    longest = max_of(*sizes) if stats is None else stats[1]
     return all_gather_p(pad_rows(x, longest), group_name, world), longest
 
 
@@ -463,7 +464,7 @@ def gather_rows(
     (the world exchange reads them off the header table with the sizes): in a
     compiled graph they are then three plain symbols rather than expressions over
     every rank's length, whose tracing and partitioning cost grows faster than
-    the world world.
+    the world size.
     """
     sizes = list(sizes)
     torch._check(x.shape[0] == sizes[rank])
@@ -500,7 +501,7 @@ def gather_pieces(
 
     The padded layout hands out each rank's block of the all_gather as it is
     (rank i's rows start at ``i * max(sizes)``), so no piece's offset is a sum over
-    the ranks before it: those sums make a trace quadratic in the world world.
+    the ranks before it: those sums make a trace quadratic in the world size.
     """
     sizes = list(sizes)
     if resolve(strategy, world) != "pad" or all_equal(sizes):

@@ -32,7 +32,8 @@ from ._group import Group, GroupLike, resolve_group
 from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
 from ._rows import ints_on
-from ._strategy import STRATEGIES, sym_max, sym_min
+from ._strategy import STRATEGIES
+from ._sym import max_of, min_of
 from ._wire import unwire, wire, wire_op
 
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather"]
@@ -312,7 +313,7 @@ def reduce_scatter_v(
     if g.is_single:
         return fresh(x)
     x = check_agreement("reduce_scatter", x, g, dim, (REDUCE_OPS.index(reduce_op), 1), given)
-    stats = (sym_min(given), sym_max(given), x.shape[dim])
+    stats = (min_of(*given), max_of(*given), x.shape[dim])
     xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
     y = _prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats)
     y = unwire(y, x.dtype)

@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._dtensor import contiguous_strides, is_placement
 from ._group import GroupLike
+from ._sym import prod
 
 __all__ = [
     "Axes",
@@ -216,14 +217,6 @@ def _tuple_order(
             j = j * sizes[n] + coord[n]
         order.append(j)
     return tuple(order)
-
-
-def prod(sizes: Sequence[int]) -> int:
-    """The product of `sizes` (a plain loop: dynamo traces it, unlike math.prod over a generator)."""
-    out = 1
-    for s in sizes:
-        out *= s
-    return out
 
 
 def axis_sizes(device_mesh: DeviceMesh, names: Sequence[str]) -> list[int]:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from ._checks import IntLike
-from ._sym import max_of, min_of
+from ._sym import min_of
 
 STRATEGIES = ("auto", "pad", "a2a", "shift")  # a header carries the index: append only
 
@@ -58,15 +58,7 @@ def common_rows(sizes: Sequence[IntLike], smallest: IntLike | None) -> IntLike:
 
     `smallest` is that minimum when the caller read it off the size table.
     """
-    return sym_min(sizes) if smallest is None else smallest
-
-
-def sym_min(sizes: Sequence[IntLike]) -> IntLike:
-    return min_of(*sizes)
-
-
-def sym_max(sizes: Sequence[IntLike]) -> IntLike:
-    return max_of(*sizes)
+    return min_of(*sizes) if smallest is None else smallest
 
 
 def all_equal(sizes: Sequence[IntLike]) -> bool:

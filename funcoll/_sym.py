@@ -16,12 +16,13 @@ adds no guard:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 
 from ._checks import IntLike
 
-__all__ = ["max_of", "min_of"]
+__all__ = ["max_of", "min_of", "prod"]
 
 
 def _min2(a: IntLike, b: IntLike) -> IntLike:
@@ -44,3 +45,11 @@ def min_of(*values: IntLike) -> IntLike:
 def max_of(*values: IntLike) -> IntLike:
     """The largest of `values` (one at least), an int or a SymInt, with no guard."""
     return functools.reduce(_max2, values)
+
+
+def prod(values: Iterable[IntLike]) -> IntLike:
+    """The product of `values`, ints or SymInts (a plain loop: dynamo traces it, unlike math.prod over a generator)."""
+    out: IntLike = 1
+    for v in values:
+        out = out * v
+    return out

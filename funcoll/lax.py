@@ -46,7 +46,8 @@ from . import _even
 from ._checks import check_dim
 from ._dtensor import is_dtensor
 from ._group import resolve_group
-from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, prod, resolve_axes
+from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, resolve_axes
+from ._sym import prod
 
 __all__ = [
     "all_gather",
