@@ -23,13 +23,14 @@ The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 0 rows at every world size, ``_ops.ragged_sizes``), run for two steps of which only
 the last rank's shape changes (``_ops.last_rank_shifted``): that rank alone compiles
 again on the second, with a shape it sees for the first time (dynamic at 3 ranks,
-0 rows at 2), and its graphs must pair with those its peers compiled on the first; ``funcoll.moe`` dispatch and
-combine in exact and static modes, with one rank routing 0 tokens on the second
-step, so that it alone compiles a new graph while the others reuse theirs (the
-case that failed: on that rank inductor's ``cat`` decomposition dropped the empty
-gradient, and the partitioner moved combine's backward all_to_all into the forward
-graph), and two independent ragged ops in one step, which nothing but the graph's
-order keeps in step. Outputs and gradients are also compared with the
+0 rows at 2), and its graphs must pair with those its peers compiled on the first
+(the even and padded ops take one shape on every rank: theirs do not change);
+``funcoll.moe`` dispatch and combine in exact and static modes, with one rank
+routing 0 tokens on the second step, so that it alone compiles a new graph while
+the others reuse theirs (the case that failed: on that rank inductor's ``cat``
+decomposition dropped the empty gradient, and the partitioner moved combine's
+backward all_to_all into the forward graph); and two independent ragged ops in
+one step, which nothing but the graph's order keeps in step. Outputs and gradients are also compared with the
 single-process reference.
 
 With ``funcoll.set_checks(True)``, a mismatch is the same ``ValueError`` on every
