@@ -126,9 +126,14 @@ def _pair_input(rank: int, world: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- rank side
 def _compiler(name: str) -> tuple[str, dict[str, Any]]:
+    from torch._inductor import config
+
     if name == "inductor-overlap":
-        return "inductor", {"reorder_for_compute_comm_overlap": True,
-                            "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
+        patch: dict[str, Any] = {"reorder_for_compute_comm_overlap": True,
+                                 "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
+        if getattr(config.aten_distributed_optimizations, "spmd_check", False):  # torch 2.12: docs/support.md
+            patch["aten_distributed_optimizations.spmd_check"] = False
+        return "inductor", patch
     return name, {}
 
 
