@@ -168,13 +168,23 @@ def failed(
 
 
 @torch.library.custom_op("funcoll::wait", mutates_args=())
-def checked_wait(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
+def checked_wait(
+    x: torch.Tensor, sent: torch.Tensor, op: str, collective: str, group_name: str, step: str
+) -> torch.Tensor:
     """Wait for the collective whose output is `x`, naming funcoll's `op` if it failed.
 
     A compiled graph's wait under ``set_checks(True)``: the collective is issued
     by the graph, this op waits for it (c10d finds the work by `x`), re-raises a
     backend failure as :func:`failed` does in eager code, and returns a copy of
     the result.
+
+    `sent` is the collective's input, unread here: an input of this op, its buffer
+    lives until the wait. Inductor keeps a collective's input alive until its
+    ``wait_tensor`` (its "out-of-place collective safety"), but it does not know
+    this op for a wait: without `sent` it reused the buffer of a header still in
+    flight for the next header it computed, once its passes had moved this wait
+    down, and the backend sent the next header's values (torchtitan's MoE layer on
+    inductor with its overlap passes, on the rank that routed no token).
     """
     try:
         y = torch.ops._c10d_functional.wait_tensor(x)
@@ -190,5 +200,7 @@ torch.fx.node.has_side_effect(torch.ops.funcoll.wait)
 
 
 @checked_wait.register_fake
-def _wait_fake(x: torch.Tensor, op: str, collective: str, group_name: str, step: str) -> torch.Tensor:
+def _wait_fake(
+    x: torch.Tensor, sent: torch.Tensor, op: str, collective: str, group_name: str, step: str
+) -> torch.Tensor:
     return torch.empty_like(x)

@@ -114,7 +114,7 @@ def _run(
     if compiling:
         out = issue(x, wire)
         if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
-            return _faults.checked_wait(out, _faults.traced_op(), collective, group_name, step)
+            return _faults.checked_wait(out, x, _faults.traced_op(), collective, group_name, step)
         y = _F.wait_tensor(out)
         return torch.ops.aten.alias(y) if _ALIAS_WAIT else y
     _async.drain()  # a gloo collective kept in flight is waited before the next one runs

@@ -526,6 +526,8 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[Collective]:
 # `buf = op(...)`, or an in-place op (`all_reduce_`, `broadcast_`) on its first argument
 _CODE_CALL = re.compile(r"^\s*(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
 _CODE_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), ")
+_CODE_CHECKED_WAIT = re.compile(r"^\s*(?:\w+ = )?torch\.ops\.funcoll\.wait\.default\((\w+)")
+_CODE_FREE = re.compile(r"\bdel ([\w, ]+)")
 
 
 def _literal(node: ast.expr) -> Any:
@@ -538,16 +540,48 @@ def _literal(node: ast.expr) -> Any:
 
 
 def code_collectives(code: str) -> list[Collective]:
-    """The collectives of one graph's inductor-generated code, in the order its ``call`` issues them."""
+    """The collectives of one graph's inductor-generated code, in the order its ``call`` issues them.
+
+    Raises ``ValueError`` where the code frees or reuses a collective's input
+    buffer before that collective's wait: the backend may still be reading it (a
+    gloo or NCCL collective runs after its issue returns), and would send whatever
+    the buffer holds next. Inductor keeps the input of a ``_c10d_functional``
+    collective alive until its ``wait_tensor``; funcoll's own wait (``funcoll::wait``,
+    under ``set_checks(True)``) takes the input as an argument for the same reason.
+    """
     shapes: dict[str, Any] = {}
     calls = []
+    sending: dict[str, tuple[str, str]] = {}  # a collective's output buffer -> (its input's, the call)
     for line in code[code.index("def call(") :].splitlines():
         if m := _CODE_SIZE.match(line):
             shapes[m.group(1)] = _literal(ast.parse(line.strip(), mode="eval").body.args[1])  # type: ignore[attr-defined]
-        elif (m := _CODE_CALL.match(line)) and not m.group(2).startswith("wait"):
+        elif m := _CODE_CALL.match(line):
             nodes = ast.parse(f"f({m.group(3)})", mode="eval").body.args  # type: ignore[attr-defined]
             buf = m.group(1) or (nodes[0].id if nodes and isinstance(nodes[0], ast.Name) else "")
+            if m.group(2).startswith("wait"):
+                sending.pop(buf, None)
+                continue
             calls.append((buf, m.group(2).rstrip("_"), [_literal(a) for a in nodes]))
+            sent = next(
+                (
+                    n.id
+                    for n in ast.walk(nodes[0])
+                    if isinstance(n, ast.Name) and n.id != "reinterpret_tensor"
+                ),
+                "",
+            )
+            sending[buf] = (sent, line.strip())
+        elif m := _CODE_CHECKED_WAIT.match(line):
+            sending.pop(m.group(1), None)
+        elif m := _CODE_FREE.search(line):
+            freed = {name.strip() for name in m.group(1).split(",")}
+            for sent, call in sending.values():
+                if sent in freed:
+                    raise ValueError(
+                        f"code_collectives: the generated code frees or reuses {sent}, the input of "
+                        f"`{call}`, before that collective's wait (`{line.strip()}`): the backend may "
+                        f"still be sending it"
+                    )
     return [_collective(op, next(a for a in reversed(args) if isinstance(a, str)), shapes.get(buf), args)
             for buf, op, args in calls]  # fmt: skip
 

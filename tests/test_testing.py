@@ -132,3 +132,33 @@ def test_gloo_worker_threads_refuses_a_count_that_is_not_a_positive_int(threads:
     with pytest.raises(ValueError, match=r"gloo_worker_threads: `threads`="):
         with gloo_worker_threads(threads):  # type: ignore[arg-type]
             pass
+
+
+# Excerpts of a graph inductor generated (torchtitan's MoE layer, overlap passes, checks on)
+# before funcoll::wait took its collective's input: buf87, a header all_gather's input, is
+# reused for the next header while that all_gather is still in flight.
+_CALL = """
+def call(args):
+        buf87 = buf86
+        buf88 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf87, 2, '0:funcoll4')
+        assert_size_stride(buf88, (40, ), (1, ), 'torch.ops._c10d_functional.all_gather_into_tensor.default')
+        buf94 = torch.ops._c10d_functional.all_to_all_single.default(buf93, [u3, u4], [u1, u2], '0:funcoll3')
+        {between}
+        buf89 = torch.ops.funcoll.wait.default(buf88, {sent}'moe.dispatch', 'all_gather', '0', 'the collective check')
+        torch.ops._c10d_functional.wait_tensor.default(buf94)
+        del buf93
+        {after}
+"""
+
+
+def test_code_collectives_refuses_an_input_freed_before_its_wait() -> None:
+    from funcoll.testing import code_collectives
+
+    freed = "buf141 = buf87; del buf87  # reuse"
+    with pytest.raises(ValueError, match=r"frees or reuses buf87, the input of `buf88 = .*funcoll4'\)`"):
+        code_collectives(_CALL.format(between=freed, sent="", after=""))
+    with pytest.raises(ValueError, match=r"frees or reuses buf93"):  # a del of several, before the wait
+        code_collectives(_CALL.format(between="del buf12, buf93", sent="buf87, ", after=""))
+    # The input freed after the wait, as inductor orders it when the wait takes the input.
+    calls = code_collectives(_CALL.format(between="", sent="buf87, ", after=freed))
+    assert [c.op for c in calls] == ["all_gather_into_tensor", "all_to_all_single"]

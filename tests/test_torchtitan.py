@@ -18,10 +18,12 @@ every rank's tokens and the routing they chose (bf16 tolerances: torchtitan's
 experts compute in bf16), and against torchtitan's dispatcher (float32 tolerances:
 the same experts, the same bf16 GEMMs); the load-balancing counter after the step
 against the routing's counts (a forward side effect, once). The funcoll dispatcher
-also runs compiled (``fullgraph=True``, inductor, forward and backward) where a
-rank holds no tokens, in every mode and at every world size, against the dense
-layer; the collectives each rank's generated code issues must pair up, forward
-and backward.
+also runs compiled (``fullgraph=True``, forward and backward) where a rank holds
+no tokens, in every mode: on inductor at every world size, and at 2 ranks on
+aot_eager and on inductor with its overlap passes (under checks, as tests/ runs:
+the case where inductor reused a header's buffer while it was still being sent,
+``funcoll._faults.checked_wait``), against the dense layer; the collectives each
+rank's graphs issue must pair up, forward and backward.
 All cases of a world run in one ``run_ranks`` call; the release matrix runs 2 ranks.
 """
 
@@ -52,7 +54,13 @@ from torchtitan.models.common.moe import (
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from funcoll.integrations.torchtitan import FuncollTokenDispatcher
-from funcoll.testing import collective_mismatch, compiled_collectives, in_flight
+from funcoll.testing import (
+    Collective,
+    collective_mismatch,
+    compiled_collectives,
+    graph_collectives,
+    in_flight,
+)
 
 # The release matrix (.ci/matrix.py, FUNCOLL_SMOKE=1) runs 2 ranks alone: the 4-rank
 # batch is most of this file's time, and the pinned release runs it.
@@ -70,12 +78,20 @@ MODES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("dropless-fits", {"mode": "dropless", "capacity": TOKENS * K}),
 )
 PARAMS = ("x", "gate", "w1", "w2", "w3")
-# Compiled with inductor, forward and backward: the step where rank 1 routes no token, in
-# every mode, at every world size. That rank compiles a graph of its own (its token count
-# is a static 0) while the others compile another; their forward and backward graphs
-# must issue the same collectives (read from the generated code). Dropless compiles
-# exact mode's graph.
-COMPILED = tuple((world, mode, "empty") for world in WORLDS for mode in ("exact", "static", "dropless"))
+# Compiled, forward and backward: the step where rank 1 routes no token, in every mode,
+# with inductor at every world size, and at 2 ranks also with aot_eager and with
+# inductor's compute/communication overlap passes. That rank compiles a graph of its own
+# (its token count is a static 0) while the others compile another; their forward and
+# backward graphs must issue the same collectives (read from the generated code, or from
+# aot_eager's partitioned graphs). Dropless compiles exact mode's graph.
+COMPILERS = {2: ("inductor", "aot_eager", "inductor-overlap"), 4: ("inductor",)}
+OVERLAP_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
+COMPILED = tuple(
+    (world, mode, "empty", compiler)
+    for world in WORLDS
+    for mode in ("exact", "static", "dropless")
+    for compiler in COMPILERS[world]
+)
 
 
 def _tokens(world: int, rank: int, routing: str) -> int:
@@ -175,19 +191,46 @@ def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str
     theirs = _build(world, rank, AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), mesh)
     _force(theirs, ids)
     got["torchtitan"] = _step(theirs, x, upstream)
-    if (world, mode, routing) in COMPILED:
+    got["compiled"] = {}
+    for compiler in (c for w, m, r, c in COMPILED if (w, m, r) == (world, mode, routing)):
         compiled = _build(world, rank, FuncollTokenDispatcher.Config(num_experts=E, top_k=K, **kwargs), mesh)
         _force(compiled, ids)
         torch._dynamo.reset()
         # A compile error propagates: run_ranks then fails the world's batch at once, naming
         # the rank. Caught here, a rank whose compile failed alone would go on to the next
         # case while its peers wait in the compiled step's collectives, until the timeout.
-        fn = torch.compile(compiled, fullgraph=True, backend="inductor")
-        with compiled_collectives() as graphs:
-            got["compiled"] = _step(compiled, x, upstream, fn)
-        got["compiled"]["graphs"] = graphs
+        got["compiled"][compiler] = _compiled_step(compiled, x, upstream, compiler)
         torch._dynamo.reset()
     got["in_flight"] = in_flight()
+    return got
+
+
+def _compiled_step(layer: MoE, x: Tensor, upstream: Tensor, compiler: str) -> dict[str, Any]:
+    """`layer` compiled (fullgraph) by `compiler`, one step; with the collectives of the graphs that ran."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor import config
+
+    if compiler == "aot_eager":
+        recorded: list[list[Collective]] = []
+
+        def record(gm: torch.fx.GraphModule, _: Any) -> Any:
+            recorded.append(graph_collectives(gm))
+            return gm.forward
+
+        backend = aot_autograd(
+            fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
+        )
+        got = _step(layer, x, upstream, torch.compile(layer, fullgraph=True, backend=backend))
+        got["graphs"] = recorded
+        return got
+    overlap: dict[str, Any] = {"reorder_for_compute_comm_overlap": True,
+                               "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
+    if getattr(config.aten_distributed_optimizations, "spmd_check", False):  # torch 2.12: docs/support.md
+        overlap["aten_distributed_optimizations.spmd_check"] = False
+    with config.patch(overlap if compiler == "inductor-overlap" else {}), compiled_collectives() as graphs:
+        got = _step(layer, x, upstream, torch.compile(layer, fullgraph=True, backend="inductor"))
+    got["graphs"] = graphs
     return got
 
 
@@ -312,23 +355,24 @@ def test_dispatcher_in_torchtitans_layer_matches_dense_and_torchtitan(
 
 
 @pytest.mark.parametrize(
-    ("world", "mode", "routing"), [pytest.param(*c, id="w{}-{}-{}".format(*c)) for c in COMPILED]
+    ("world", "mode", "routing", "compiler"),
+    [pytest.param(*c, id="w{}-{}-{}-{}".format(*c)) for c in COMPILED],
 )
-def test_dispatcher_compiled_on_inductor_matches_dense(world: int, mode: str, routing: str) -> None:
+def test_dispatcher_compiled_matches_dense(world: int, mode: str, routing: str, compiler: str) -> None:
     """Inductor keeps the experts' bf16 intermediates in float32: compared with the dense layer, not eager.
 
     The rank with no token compiled its own graphs: their collectives pair with the
     others', the forward's with the forward's and the backward's with the backward's.
     """
     ranks = [per_rank[(mode, routing)] for per_rank in batch(world)]
-    graphs = [r["compiled"]["graphs"] for r in ranks]
+    graphs = [r["compiled"][compiler]["graphs"] for r in ranks]
     assert [len(g) for g in graphs] == [2] * world, [len(g) for g in graphs]
     for phase, name in enumerate(("forward", "backward")):
         mismatch = collective_mismatch([g[phase] for g in graphs])
         assert mismatch is None, f"{name}: {mismatch}"
     ref = _reference(world, routing, [r["ids"] for r in ranks])
     for r, got in enumerate(ranks):
-        compiled = got["compiled"]
+        compiled = got["compiled"][compiler]
         _close_bf16(compiled["out"], ref["out"][r], f"rank {r} out")
         for name in PARAMS:
             _close_bf16(compiled["grads"][name], ref["grads"][r][name], f"rank {r} {name}.grad")
