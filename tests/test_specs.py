@@ -9,6 +9,7 @@ uses. docs/contributing.md walks through the steps these tests check.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -93,3 +94,16 @@ def test_every_moe_op_names_itself_in_collective_failures() -> None:
 
     for name in ("dispatch", "combine"):
         assert getattr(getattr(moe, name), "funcoll_op", None) == f"moe.{name}", name
+
+
+def test_the_readme_ops_table_has_every_public_op() -> None:
+    """README.md's ops table: a row for every public op, and none for a name that is not one."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| op | forward | backward |") :].split("\n\n", 1)[0]
+    named = set()
+    for row in table.splitlines()[2:]:
+        first = row.split("|")[1]
+        named |= {call.split("(")[0] for call in re.findall(r"`(\w+\([^`]*\))`", first)}
+    ops = {s.name for s in SPECS}
+    assert ops <= named, f"README.md's ops table has no row for {sorted(ops - named)}"
+    assert named <= ops, f"README.md's ops table names {sorted(named - ops)}, no public op"
