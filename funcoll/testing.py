@@ -578,7 +578,7 @@ def code_collectives(code: str) -> list[Collective]:
             for sent, call in sending.values():
                 if sent in freed:
                     raise ValueError(
-                        f"code_collectives: the generated code frees or reuses {sent}, the input of "
+                        f"funcoll.testing.code_collectives: the generated code frees or reuses {sent}, the input of "
                         f"`{call}`, before that collective's wait (`{line.strip()}`): the backend may "
                         f"still be sending it"
                     )
