@@ -20,11 +20,11 @@ with its compute/communication overlap passes (sink waits, raise comms, reorder
 compute), which move collectives and waits per graph.
 
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
-0 rows at every world size, ``_ops.ragged_sizes``; at 3 ranks on aot_eager, and at 2
-under inductor's overlap passes, the cases whose ranks hold different shapes), run for two steps of which only
-the last rank's shape changes (``_ops.last_rank_shifted``; on aot_eager every case,
-on inductor the ``INDUCTOR_CASES``, suite time): that rank alone compiles
-again on the second, with a shape it sees for the first time (dynamic at 3 ranks,
+0 rows at every world size, ``_ops.ragged_sizes``; at 3 ranks on aot_eager, and at
+2 under inductor's overlap passes, the cases whose ranks hold different shapes),
+run for two steps of which only the last rank's shape changes
+(``_ops.last_rank_shifted``; on aot_eager every case, on inductor the
+``INDUCTOR_CASES``, suite time): that rank alone compiles again on the second, with a shape it sees for the first time (dynamic at 3 ranks,
 0 rows at 2), and its graphs must pair with those its peers compiled on the first
 (the even and padded ops take one shape on every rank: theirs do not change);
 ``funcoll.moe`` dispatch and combine in exact and static modes, with one rank
@@ -255,17 +255,17 @@ def _shapes_differ(case: OpCase, world: int) -> bool:
 
 def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
-    # aot_eager: every op at 2 ranks; at 3 (suite time) the ops whose ranks hold different
-    # shapes (the others compile one graph, the same on every rank, as at 2 ranks).
-    keys = [f"aot_eager|{cid}" for cid in ops if world == 2 or _shapes_differ(CASES_BY_ID[cid], world)]
-    # Inductor: every op at 2 ranks (one of them with 0 rows); at 3 (suite time) the ops
-    # whose backward builds its send buffers, where a third rank adds a nonzero length.
-    # Inductor's overlap passes at 2 ranks (at 3 the MoE and pair steps): the ops whose ranks
-    # hold different shapes (the others compile the same graph on every rank) and the
-    # send-buffer ones.
-    differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world) or cid in INDUCTOR_CASES]
+    # The ops whose ranks hold different shapes; the others compile one graph, the same on
+    # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
+    # op at 2 ranks (one of them with 0 rows); at 3 the ops whose backward builds its send
+    # buffers, where a third rank adds a nonzero length. Inductor's overlap passes: these
+    # and the send-buffer ones at 2 ranks (at 3, the MoE and pair steps below).
+    differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
+    keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ)]
     keys += [f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES)]
-    keys += [f"inductor-overlap|{cid}" for cid in differ if world == 2]
+    keys += [
+        f"inductor-overlap|{cid}" for cid in ops if world == 2 and (cid in differ or cid in INDUCTOR_CASES)
+    ]
     keys += [f"{comp}|moe-{mode}" for comp in COMPILERS for mode in MOE_MODES]
     keys += [f"{comp}|pair" for comp in COMPILERS]
     return keys
