@@ -297,6 +297,15 @@ def _call_broadcast_last(x: Tensor, group: Any = None) -> Tensor:
     return funcoll.broadcast(x, src=funcoll.axis_size(group) - 1, group=group)
 
 
+def _call_reduce_last(x: Tensor, group: Any = None) -> Tensor:
+    return funcoll.reduce(x, funcoll.axis_size(group) - 1, group=group)
+
+
+def _ref_reduce_last(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    total = sum(_firsts(all_inputs))
+    return [[total if r == world - 1 else torch.zeros_like(total)] for r in range(world)]
+
+
 def _call_reduce_scatter_ragged(x: Tensor, group: Any = None) -> Tensor:
     return funcoll.reduce_scatter(x, 0, sizes=ragged_sizes(funcoll.axis_size(group)), group=group)
 
@@ -359,6 +368,29 @@ def _call_gather_dst0(x: Tensor, group: Any = None) -> Tensor | None:
 def _ref_gather_dst0(all_inputs: list[Inputs], world: int) -> list[Outputs]:
     full = torch.cat(_firsts(all_inputs), 0)
     return [[full] if r == 0 else [None] for r in range(world)]
+
+
+def _scatter_src0(rank: int, world: int) -> int:
+    """Rank 0 (src) holds 2 world + 1 rows; the others their ragged length, which scatter does not use."""
+    return 2 * world + 1 if rank == 0 else ragged_sizes(world)[rank]
+
+
+def _ref_scatter_src0(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    return [[piece] for piece in torch.tensor_split(_firsts(all_inputs)[0], world, 0)]
+
+
+def _scatter_given(rank: int, world: int) -> int:
+    """The last rank (src) holds every rank's ragged length; the others nothing."""
+    return sum(ragged_sizes(world)) if rank == world - 1 else 0
+
+
+def _call_scatter_given(x: Tensor, group: Any = None) -> Tensor:
+    world = funcoll.axis_size(group)
+    return funcoll.scatter(x, world - 1, ragged_sizes(world), -1, group=group)
+
+
+def _ref_scatter_given(all_inputs: list[Inputs], world: int) -> list[Outputs]:
+    return [[piece] for piece in _split(_firsts(all_inputs)[-1], ragged_sizes(world), -1)]
 
 
 def _ref_all_gather_list(all_inputs: list[Inputs], world: int) -> list[Outputs]:
@@ -577,6 +609,7 @@ CASES: list[OpCase] = [
         reference=lambda xs, w: _same(w, [xs[w - 1][0] * 1]),
         at_scale=True,
     ),
+    _case("reduce-dst-last-x3x5", call=_call_reduce_last, reference=_ref_reduce_last, at_scale=True),
     _case(
         "axis_index-axis_size-x3x5",
         call=_call_axis,
@@ -669,6 +702,22 @@ CASES: list[OpCase] = [
         grad="none",
         grad_inputs=(),
         exchanges_sizes=True,
+        at_scale=True,
+    ),
+    _case(
+        "scatter-src0-ragged-x_nx5-dim0",
+        _shaped("scatter-src0-ragged-x_nx5-dim0", _scatter_src0, 5),
+        call=lambda x, group=None: funcoll.scatter(x, 0, group=group),
+        reference=_ref_scatter_src0,
+        exchanges_sizes=True,
+        at_scale=True,
+    ),
+    _case(
+        "scatter-given-x3x_n-dim-1",
+        _shaped("scatter-given-x3x_n-dim-1", 3, _scatter_given),
+        variant="given",  # the sizes passed on every rank: no header, one all_to_all
+        call=_call_scatter_given,
+        reference=_ref_scatter_given,
         at_scale=True,
     ),
     _case(

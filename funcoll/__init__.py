@@ -17,11 +17,12 @@ from ._even import (
     all_to_all,
     broadcast,
     ppermute,
+    reduce,
     reduce_scatter,
     split_sizes,
 )
 from ._group import Group, GroupLike, axis_index, axis_size
-from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather
+from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, scatter
 from ._region import gather_forward_split_backward, split_forward_gather_backward
 from ._shard import from_ragged, to_ragged
 from ._shard_map import P, shard_map
@@ -51,7 +52,9 @@ __all__ = [
     "gather_padded",
     "mark_ragged",
     "ppermute",
+    "reduce",
     "reduce_scatter",
+    "scatter",
     "set_checks",
     "shard_map",
     "split_forward_gather_backward",

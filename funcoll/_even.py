@@ -39,6 +39,7 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "ppermute",
+    "reduce",
     "reduce_scatter",
     "split_sizes",
 ]
@@ -573,3 +574,51 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     if g.is_single:
         return fresh(x)
     return unwire(_prims.broadcast_p(wire(x), src, g.name, g.size, g.rank), x.dtype)
+
+
+@public_op("reduce")
+def reduce(x: Tensor, dst: int, op: str = "sum", *, group: GroupLike = None) -> Tensor:
+    """Reduce `x` over the ranks of `group` onto rank `dst` (``torch.distributed.reduce``, as a function).
+
+    Args:
+        x: the same shape and dtype on every rank.
+        dst: the rank (in `group`) that gets the reduction.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``, as in
+            :func:`all_reduce`.
+        group: the communicator.
+
+    Returns:
+        A new tensor of ``x.shape`` and dtype: on `dst` the reduction of every
+        rank's `x`, on the other ranks zeros. Every rank holds a result, so every
+        rank can add it to its loss and join the backward.
+
+    Backward (``sum``): the broadcast of `dst`'s gradient: every rank's `x` gets
+    the gradient that `dst`'s result received (the other ranks' results are
+    constant zeros). ``avg`` divides by world; the other ops have no gradient.
+    This is :func:`broadcast`'s adjoint, and :func:`broadcast`'s backward is this
+    op.
+
+    Cost: one ``all_reduce`` (c10d's functional collectives have no reduce); the
+    ranks other than `dst` drop its result, and in eager code wait for it when
+    they drop it.
+
+    A DTensor `x` is refused: a result held on one rank has no placement
+    (docs/dtensor.md); ``all_reduce`` takes ``Partial(op)``.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [1., 2.]        rank 1: x = [3., 4.]
+        reduce(x, dst=1)              # rank 0: [0., 0.]   rank 1: [4., 6.]
+        reduce(x, 0, op="max")        # rank 0: [3., 4.]   rank 1: [0., 0.]
+    """
+    opname = "funcoll.reduce"
+    x = check_tensor(opname, "x", x)
+    reduce_op = check_reduce_op(opname, op, x)
+    refuse_dtensor(opname, x, "its result is on one rank", "funcoll.all_reduce(x)")
+    g = resolve_group(opname, group)
+    check_rank(opname, "dst", dst, g.size)
+    x = check_agreement("reduce", x, g, args=(REDUCE_OPS.index(reduce_op), dst))
+    if g.is_single:
+        return fresh(x)
+    wop = wire_op(reduce_op, x.dtype)
+    return unwire(_prims.reduce_p(wire(x), wop, dst, g.name, g.size, g.rank), x.dtype)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _prims
-from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
+from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total
 from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._faults import OP_NAMES, op_code
@@ -276,6 +276,7 @@ def _chunk_moves(rows: list[list[int]], rank: int) -> list[int]:
 
 
 TO_CHUNKS = Reader(_chunk_moves, lambda w: 3 * w + 1)
+SRC_LENGTH = Reader(lambda rows, rank: [rows[rows[0][ARG0]][SIZE]], lambda w: 1)  # scatter: `src`'s length
 NDIM_ONLY = Reader(lambda rows, rank: [rows[rank][NDIM]], lambda w: 1)  # an even op's check
 
 
@@ -342,6 +343,15 @@ def _check_given_lengths(opname: str, rows: list[list[int]]) -> None:
         )
 
 
+def _check_scatter_sizes(opname: str, rows: list[list[int]]) -> None:
+    """scatter's `sizes`, when given (ARG1): the same on every rank, summing to `src`'s length."""
+    if not rows[0][ARG1]:
+        return
+    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    sizes, src = _tails(rows)[0], rows[0][ARG0]
+    check_total(opname, "sizes", sizes, rows[src][SIZE], f"rank {src}'s x.shape[{rows[0][DIM]}]")
+
+
 def _check_same_sizes(opname: str, rows: list[list[int]]) -> None:
     _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
 
@@ -404,6 +414,7 @@ _BY_CODE: tuple[Header, ...] = (
     ),
     Header("ppermute", reads=NDIM_ONLY, checks=(_check_perm,), check_only=True),
     Header("broadcast", args=(Arg("src"), None), reads=NDIM_ONLY, check_only=True),
+    Header("reduce", args=(REDUCE_OP, DST), reads=NDIM_ONLY, check_only=True),
     Header(
         "split_forward_gather_backward",
         args=(Arg("dim"), Arg("grad_scale", _named(GRAD_SCALES))),
@@ -418,6 +429,13 @@ _BY_CODE: tuple[Header, ...] = (
         check_only=True,
     ),
     Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
+    Header(
+        "scatter",
+        args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
+        reads=SRC_LENGTH,
+        varying_dim="`dim`",
+        checks=(_check_scatter_sizes,),
+    ),
     # Not an op: every data collective under checks (check_collective).
     Header("collective", reads=NDIM_ONLY, check_only=True),
 )

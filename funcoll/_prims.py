@@ -11,7 +11,8 @@ primitive               backward (its adjoint)
 ``reduce_scatter_p``    ``all_gather_p`` of the gradient (sum; avg divides)
 ``all_reduce_p``        ``all_reduce_p`` (sum) of the gradient (JAX ``psum``)
 ``all_to_all_p``        ``all_to_all_p`` with send and receive splits swapped
-``broadcast_p``         sum of the gradients onto ``src``, zeros elsewhere
+``broadcast_p``         ``reduce_p`` (sum) of the gradient onto ``src``
+``reduce_p``            ``broadcast_p`` of ``dst``'s gradient (avg divides)
 ``replicate_p``         the gradient as it is (avg: divided by world)
 ``all_gather_v_p``      ``reduce_scatter_v_p`` of the gradient
 ``reduce_scatter_v_p``  ``gather_rows`` (``"auto"``) of the gradient
@@ -326,7 +327,7 @@ def all_to_all_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
     return _AllToAllBlocks.apply(x, extra, group_name, world)
 
 
-# ----------------------------------------------------------------------------- broadcast
+# ------------------------------------------------------------------ broadcast and reduce
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
@@ -336,13 +337,38 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        total = all_reduce_p(grad, "sum", ctx.group_name, ctx.world)
-        g = total if ctx.rank == ctx.src else torch.zeros_like(total)
-        return g, None, None, None, None
+        return reduce_p(grad, "sum", ctx.src, ctx.group_name, ctx.world, ctx.rank), None, None, None, None
 
 
 def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
     return _Broadcast.apply(x, src, group_name, world, rank)
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, rank: int
+    ) -> Tensor:
+        _faults.remember(ctx)
+        ctx.reduce_op, ctx.dst, ctx.group_name, ctx.world, ctx.rank = reduce_op, dst, group_name, world, rank
+        # c10d's functional ops have no reduce: an all_reduce, whose result only dst keeps.
+        total = _all_reduce_impl(x, reduce_op, group_name, world)
+        return total if rank == dst else x.new_zeros(x.shape)  # contiguous, whatever x's strides
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # op's gradient first: max/min/product raise on every rank before anything is sent
+        g = _scale_for_op("reduce", ctx.reduce_op, grad, ctx.world)
+        return broadcast_p(g, ctx.dst, ctx.group_name, ctx.world, ctx.rank), None, None, None, None, None
+
+
+def reduce_p(x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, rank: int) -> Tensor:
+    """The reduction over ranks on `dst`, zeros of ``x``'s shape on the other ranks: ``broadcast_p``'s adjoint.
+
+    Its output is linear in every rank's `x` (a constant 0 off `dst`), so its
+    backward is the broadcast of `dst`'s gradient, which every rank joins.
+    """
+    return _Reduce.apply(x, reduce_op, dst, group_name, world, rank)
 
 
 # --------------------------------------------------------------------------- replicate_p

@@ -25,7 +25,9 @@ from ._checks import (
     check_tensor,
     check_total,
     fresh,
+    tensor_split_sizes,
 )
+from ._config import checks_enabled
 from ._dtensor import dtensor_input, refuse_dtensor
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
@@ -36,7 +38,7 @@ from ._strategy import STRATEGIES
 from ._sym import max_of, min_of
 from ._wire import unwire, wire, wire_op
 
-__all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather"]
+__all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "scatter"]
 
 
 def _check_strategy(opname: str, strategy: object) -> int:
@@ -183,6 +185,82 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
             f"{opname}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
             f"never join the backward scatter. Use dst=None, or pass x.detach()"
         )
+
+
+@public_op("scatter")
+def scatter(
+    x: Tensor,
+    src: int,
+    sizes: Sequence[int] | Tensor | None = None,
+    dim: int = 0,
+    *,
+    group: GroupLike = None,
+) -> Tensor:
+    """Split rank `src`'s `x` along `dim` and give rank i its i-th piece (``torch.distributed.scatter``).
+
+    The ragged data model, the other way round from :func:`gather`: rank i gets
+    ``sizes[i]`` rows (any ``>= 0``), the rows ``[sizes[0] + ... + sizes[i-1],
+    ... + sizes[i])`` of `src`'s `x`.
+
+    Args:
+        x: on `src`, the tensor to split. On the other ranks, a tensor of the same
+            dtype, ndim and shape apart from `dim`, whose values and length along
+            `dim` are not used (an empty ``x.narrow(dim, 0, 0)`` will do).
+        src: the rank (in `group`) whose `x` is split.
+        sizes: every rank's length, the same on every rank (a list of world ints
+            or an int64 tensor), summing to `src`'s ``x.shape[dim]``. None:
+            ``funcoll.split_sizes(n, world)`` of `src`'s length `n` (the first ranks
+            one row longer, as ``torch.tensor_split``), which the other ranks learn
+            from one small all_gather that also checks that the ranks agree.
+        dim: the dim to split.
+        group: the communicator.
+
+    Returns:
+        A new tensor: `x`'s shape with ``sizes[rank]`` rows along `dim`, holding
+        this rank's piece of `src`'s `x`.
+
+    Backward: the gather of the pieces' gradients onto `src`, in rank order: `src`'s
+    `x` gets their concatenation, the other ranks' `x` zeros (their values were
+    never used). Every rank joins it, so `x` requires grad on all ranks or none.
+
+    Compiled, the lengths are unbacked SymInts when exchanged or passed as a tensor;
+    ``funcoll.mark_ragged(x, dim)`` keeps a changing length of `src`'s `x` from
+    recompiling (docs/compile.md).
+
+    A DTensor `x` is refused: its input is one rank's tensor, which no placement
+    describes; ``split_forward_gather_backward`` splits a ``Replicate()`` one.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [[1., 2.], [3., 4.], [5., 6.]]   rank 1: x = torch.empty(0, 2)
+        scatter(x, src=0)            # rank 0: [[1., 2.], [3., 4.]]   rank 1: [[5., 6.]]
+        scatter(x, 0, sizes=[1, 2])  # rank 0: [[1., 2.]]   rank 1: [[3., 4.], [5., 6.]]
+    """
+    opname = "funcoll.scatter"
+    x = check_tensor(opname, "x", x)
+    refuse_dtensor(opname, x, "its input is one rank's tensor", "funcoll.split_forward_gather_backward")
+    d = check_dim(opname, x, dim)
+    g = resolve_group(opname, group)
+    check_rank(opname, "src", src, g.size)
+    given = None if sizes is None else host_sizes(opname, "sizes", sizes, g.size)
+    checked = checks_enabled() and not g.is_single
+    if given is not None and g.rank == src and not checked:  # with checks, every rank checks it (the header)
+        check_total(opname, "sizes", given, x.shape[d], f"rank {src}'s x.shape[{d}]")
+    if g.is_single:
+        return fresh(x)
+    if given is None or checked:
+        tail = None if given is None else torch.tensor([int(n) for n in given], dtype=torch.int64)
+        _, ints = exchange("scatter", x, d, g, args=(src, int(given is not None)), sizes=tail)
+    sz = given if given is not None else tensor_split_sizes(ints[0], g.size)
+    xm = wire(x).movedim(d, 0)
+    if g.rank == src:
+        torch._check(xm.shape[0] == sum(sz))
+        send = list(sz)
+    else:  # nothing of this rank's x travels: its gradient is zeros
+        xm, send = xm[:0], [0] * g.size
+    recv = [sz[g.rank] if j == src else 0 for j in range(g.size)]
+    got = unwire(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype)
+    return got if d == 0 else got.movedim(0, d).contiguous()
 
 
 @public_op("all_gather_list")

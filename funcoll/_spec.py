@@ -92,6 +92,11 @@ def _all_to_all_v(world: int, variant: str) -> Plan:
     return ({A2A: 1} if variant == "given" else _plus(HEADER, {A2A: 1})), {A2A: 1}
 
 
+def _scatter(world: int, variant: str) -> Plan:
+    """`src`'s length in a header, then one all_to_all from src (backward: one back to src); "given": no header."""
+    return ({A2A: 1} if variant == "given" else _plus(HEADER, {A2A: 1})), {A2A: 1}
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """What funcoll knows about one public op, in one place.
@@ -157,10 +162,12 @@ SPECS: tuple[OpSpec, ...] = (
     _op("ppermute", _EVEN, _T_EVEN, _T_DT, collectives=_A2A, dtensor=("Shard(d), equal shards", "Shard(d)")),
     _op("broadcast", _EVEN, _T_EVEN, _T_DT, collectives=_fixed({BC: 1}, {AR: 1}),
         dtensor=("Replicate()", "Replicate()")),
+    _op("reduce", _EVEN, _T_EVEN, "tests/test_properties.py", collectives=_fixed({AR: 1}, {BC: 1})),
     _op("gather", _RAGGED, _T_RAGGED, "tests/test_ragged_errors.py", _T_DT, collectives=_ragged_gather,
         dtensor=("Shard(dim), dst=None", "Replicate()")),
     _op("all_gather_list", _RAGGED, _T_RAGGED, collectives=_ragged_gather),
     _op("all_gather_ragged", _RAGGED, _T_RAGGED, _T_DT, collectives=_ragged_gather, dtensor=_S_R),
+    _op("scatter", _RAGGED, "tests/test_properties.py", "tests/test_ragged_errors.py", collectives=_scatter),
     _op("all_to_all_v", _RAGGED, _T_RAGGED, "tests/test_sizes.py", collectives=_all_to_all_v),
     _op("gather_padded", _STATIC, "tests/test_static.py", exchanges=False, limit="x.shape[dim]",
         collectives=_fixed({AG: 1}, {RS: 1})),  # the padded rows, the counts header's rows after them

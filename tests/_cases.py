@@ -240,6 +240,23 @@ def draw_broadcast(world: int, draw: Draw) -> Case:
                  src=draw.int(0, world - 1))  # fmt: skip
 
 
+def draw_reduce(world: int, draw: Draw) -> Case:
+    dtype, op = _reduce_dtype_ops(draw)
+    shape = _shape(draw, 0, 4)
+    return _case("reduce", world, [shape] * world, dtype, draw.choice(LAYOUTS), op in ("sum", "avg"),
+                 dst=draw.int(0, world - 1), op=op)  # fmt: skip
+
+
+def draw_scatter(world: int, draw: Draw) -> Case:
+    """`src` holds the rows it splits; the other ranks any length along `dim` (unused), 0 included."""
+    shape = _shape(draw, 1, 4)
+    dim = draw.int(-len(shape), len(shape) - 1)
+    src, sizes = draw.int(0, world - 1), tuple(_lengths(draw, world))
+    shapes = [_with(shape, dim, sum(sizes) if r == src else draw.int(0, 3)) for r in range(world)]
+    return _case("scatter", world, shapes, draw.choice(MOVE_DTYPES), draw.choice(LAYOUTS), True, dim=dim,
+                 src=src, sizes=sizes, sizes_as=draw.choice(("", "list", "tensor")))  # fmt: skip
+
+
 def draw_gather_padded(world: int, draw: Draw) -> Case:
     shape = _shape(draw, 1, 3)
     dim = draw.int(-len(shape), len(shape) - 1)
@@ -346,6 +363,11 @@ DTENSOR_OPS: dict[str, tuple[str, str]] = {
 }
 
 
+def chunk_lengths_split(n: int, world: int) -> list[int]:
+    """torch.tensor_split's lengths of a dim of length n over world ranks (the first ones one longer)."""
+    return [p.numel() for p in torch.tensor_split(torch.empty(n), world)]
+
+
 def chunk_lengths(n: int, world: int) -> list[int]:
     """torch.chunk's lengths of a dim of length n over world ranks, 0 where it gives fewer pieces."""
     got = [p.shape[0] for p in torch.chunk(torch.empty(n), world)] if n else []
@@ -448,6 +470,8 @@ DRAWS: dict[str, Callable[[int, Draw], Case]] = {
     "all_to_all": draw_all_to_all,
     "ppermute": draw_ppermute,
     "broadcast": draw_broadcast,
+    "reduce": draw_reduce,
+    "scatter": draw_scatter,
     "gather_padded": draw_gather_padded,
     "all_to_all_padded": draw_all_to_all_padded,
     "split_forward_gather_backward": draw_split_forward_gather_backward,
@@ -477,7 +501,7 @@ def generator(case: Case, rank: int, stream: int) -> torch.Generator:
 
 def _small(case: Case) -> bool:
     """Reductions get small integers (exact sums and products over 4 ranks in bfloat16/float16)."""
-    summed = case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v") or (
+    summed = case.op in ("reduce_scatter", "all_reduce", "reduce_scatter_v", "reduce") or (
         case.op == "lax" and case.arg("fn") in ("psum", "psum_scatter")
     )
     return summed and case.dtype != "float64"
@@ -593,6 +617,10 @@ def call(case: Case, x: Tensor, rank: int) -> list[Out]:
         return [funcoll.ppermute(x, [list(p) for p in a("perm")])]
     if op == "broadcast":
         return [funcoll.broadcast(x, a("src"))]
+    if op == "reduce":
+        return [funcoll.reduce(x, a("dst"), a("op"))]
+    if op == "scatter":
+        return [funcoll.scatter(x, a("src"), _sizes_arg(a("sizes"), a("sizes_as")), a("dim"))]
     if op == "gather_padded":
         n = a("lengths")[rank]
         return list(
@@ -738,6 +766,13 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[list[Out]]:
         return [[xs[src_of[r]] if r in src_of else torch.zeros_like(xs[r])] for r in range(w)]
     if op == "broadcast":
         return [[xs[a("src")]]] * w
+    if op == "reduce":
+        total = reduce(a("op"), xs)
+        return [[total if r == a("dst") else torch.zeros_like(total)] for r in range(w)]
+    if op == "scatter":
+        x, d = xs[a("src")], a("dim")
+        sizes = list(a("sizes")) if a("sizes_as") else chunk_lengths_split(x.shape[d], w)
+        return [[piece] for piece in torch.split(x, sizes, d)]
     if op == "gather_padded":
         d, lens = a("dim"), a("lengths")
         bound = xs[0].shape[d]
@@ -996,7 +1031,7 @@ def exact(case: Case) -> bool:
         return False
     if case.op == "lax":
         return case.arg("fn") in ("all_gather", "ppermute") or case.dtype in ("int64", "int32")
-    if case.op not in ("reduce_scatter", "all_reduce", "reduce_scatter_v", "dtensor"):
+    if case.op not in ("reduce_scatter", "all_reduce", "reduce_scatter_v", "reduce", "dtensor"):
         return True
     if case.op == "dtensor" and case.arg("fn") not in ("reduce_scatter", "all_reduce"):
         return True

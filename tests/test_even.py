@@ -174,6 +174,16 @@ def even_cases(world: int) -> list[Case]:
         case("broadcast", (5, 7), F64, src=0, grad=True),
         case("broadcast", (7, 5), F64, src=w - 1, grad=True, transposed=True),
         case("broadcast", (), F64, src=w - 1, grad=True),
+        # reduce: dst gets the reduction, the other ranks zeros
+        case("reduce", (5, 7), F32, dst=0, op="sum"),
+        case("reduce", (5, 7), I64, dst=w - 1, op="max", transposed=True),
+        case("reduce", (7, 5), BF16, dst=w // 2, op="min"),
+        case("reduce", (5, 7), BOOL, dst=w - 1, op="sum"),
+        case("reduce", (3, 5), I64, dst=0, op="product"),
+        case("reduce", (5, 7), F64, dst=w - 1, op="sum", grad=True, transposed=True),
+        case("reduce", (3, 5), F64, dst=0, op="avg", grad=True),
+        case("reduce", (0, 5), F64, dst=w - 1, op="sum", grad=True),
+        case("reduce", (), F64, dst=w // 2, op="sum", grad=True),
     ] + (partial_perm_cases(w) if w > 1 else [])
     assert len({c.id for c in cases}) == len(cases), "case ids must be unique"
     return cases
@@ -261,6 +271,17 @@ def bad_calls_in_ranks(world: int) -> list[BadCall]:
         BadCall(
             "broadcast-src-neg", lambda w: funcoll.broadcast(X57, -1), ValueError, "broadcast", "`src`=-1"
         ),
+        BadCall("reduce-dst-w", lambda w: funcoll.reduce(X57, w), ValueError, "reduce", f"`dst`={w}"),
+        BadCall(
+            "reduce-op-mean", lambda w: funcoll.reduce(X57, 0, "mean"), ValueError, "reduce", "`op`='mean'"
+        ),
+        BadCall(
+            "reduce-avg-int",
+            lambda w: funcoll.reduce(X57.long(), 0, "avg"),
+            ValueError,
+            "reduce",
+            "`op`='avg' needs a floating dtype",
+        ),
     ]
     if w > 1:
         calls += [
@@ -306,13 +327,15 @@ NO_GRAD_OPS = [
     ("all_reduce", "product"),
     ("reduce_scatter", "min"),
     ("reduce_scatter", "max"),
+    ("reduce", "max"),
+    ("reduce", "product"),
 ]
 
 
 def no_grad_outcome(fn: str, op: str, rank: int, world: int) -> tuple[str, str]:
     """Backward through an op without a gradient: every rank must raise the same error."""
     x = seeded((2 * world, 3), F64, "no-grad", fn, op, rank).requires_grad_(True)
-    y = getattr(funcoll, fn)(x, op=op)
+    y = funcoll.reduce(x, world - 1, op=op) if fn == "reduce" else getattr(funcoll, fn)(x, op=op)
     try:
         y.sum().backward()
     except Exception as e:  # noqa: BLE001 (recorded; the parent checks the type and the message)
@@ -374,6 +397,9 @@ def reference(c: Case, xs: list[Tensor]) -> list[Tensor]:
     if c.op == "ppermute":
         src_of = {dst: src for src, dst in k["perm"]}
         return [xs[src_of[r]] if r in src_of else torch.zeros_like(xs[r]) for r in range(w)]
+    if c.op == "reduce":
+        total = reduce_over_ranks(torch.stack(xs), k["op"], w)
+        return [total if r == k["dst"] else torch.zeros_like(total) for r in range(w)]
     assert c.op == "broadcast"
     return [xs[k["src"]]] * w
 
@@ -527,6 +553,9 @@ SINGLE_PROCESS_ERRORS = [
                  id="ppermute-float-src"),
     pytest.param(lambda: funcoll.broadcast(X, 1), ValueError, "broadcast", "`src`=1", id="broadcast-src1-w1"),
     pytest.param(lambda: funcoll.broadcast(X, "0"), TypeError, "broadcast", "`src`", id="broadcast-str-src"),
+    pytest.param(lambda: funcoll.reduce(X, 1), ValueError, "reduce", "`dst`=1", id="reduce-dst1-w1"),
+    pytest.param(lambda: funcoll.reduce(X, None), TypeError, "reduce", "`dst`", id="reduce-none-dst"),
+    pytest.param(lambda: funcoll.reduce([1.0], 0), TypeError, "reduce", "`x`", id="reduce-list-x"),
 ]  # fmt: skip
 
 

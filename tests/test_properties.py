@@ -12,6 +12,10 @@ references):
   ``scatter_sizes``-uneven scatter, and per-rank ``gather_sizes``;
 * ``ppermute`` with random permutations, partial ones included (some ranks receive zeros),
   and ``broadcast`` from any src;
+* ``reduce`` onto any dst with every reduce op (zeros on the other ranks; the gradient of
+  sum and avg is dst's, broadcast), and ``scatter`` from any src of random ragged pieces
+  along any dim, the sizes given as a list or a tensor or left to ``split_sizes`` (the other
+  ranks' lengths along `dim`, 0 included, unused);
 * ``gather_padded`` (length as an int or a tensor) and ``all_to_all_padded`` (sizes as a list
   or a tensor), padding rows filled with random values that must never show;
 * ``split_forward_gather_backward`` / ``gather_forward_split_backward`` with every

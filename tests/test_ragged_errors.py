@@ -175,6 +175,40 @@ MISMATCHES: dict[str, Mismatch] = {
         lambda w: [f"rank {w - 1} has `send_sizes`=[{w + 1}, -1", "non-negative"],
         ("all_to_all_v", "all_to_all_v"),
     ),
+    "scatter-src": Mismatch(
+        lambda r, w, odd: funcoll.scatter(rows(r, 3, 5), 1 if odd else 0),
+        lambda w: ["`src`", "rank 0: 0", f"rank {w - 1}: 1"],
+        ("scatter", "scatter"),
+    ),
+    "scatter-trailing-shape": Mismatch(  # the length along dim may differ, the rest may not
+        lambda r, w, odd: funcoll.scatter(rows(r, r, 7 if odd else 5), 0),
+        lambda w: [
+            "the shape of `x` apart from `dim`",
+            "rank 0: shape (0, 5)",
+            f"rank {w - 1}: shape ({w - 1}, 7)",
+        ],
+        ("scatter", "scatter"),
+    ),
+    "scatter-sizes-disagree": Mismatch(
+        lambda r, w, odd: funcoll.scatter(rows(r, w, 5), 0, sizes=[w] + [0] * (w - 1) if odd else [1] * w),
+        lambda w: ["ranks disagree on `sizes`", f"rank 0: {[1] * w}"],
+        ("scatter", "scatter"),
+    ),
+    "scatter-sizes-sum": Mismatch(  # the same list on every rank; src's length is another
+        lambda r, w, odd: funcoll.scatter(rows(r, w + 1 if r == 0 else 9, 5), 0, sizes=[1] * w),
+        lambda w: [f"`sizes`={[1] * w} sums to {w}, but rank 0's x.shape[0]={w + 1}"],
+        ("scatter", "scatter"),
+    ),
+    "scatter-sizes-given-on-some": Mismatch(
+        lambda r, w, odd: funcoll.scatter(rows(r, w, 5), 0, sizes=None if odd else [1] * w),
+        lambda w: ["`sizes`", "rank 0: given", f"rank {w - 1}: None"],
+        ("scatter", "scatter"),
+    ),
+    "scatter-vs-gather": Mismatch(
+        lambda r, w, odd: funcoll.gather(rows(r, 1, 5)) if odd else funcoll.scatter(rows(r, 1, 5), 0),
+        lambda w: ["different ragged ops", "rank 0: scatter", f"rank {w - 1}: gather"],
+        ("scatter", "gather"),
+    ),
 }
 
 
@@ -304,6 +338,28 @@ LOCALS: dict[str, Local] = {
         lambda w: funcoll.reduce_scatter(rows(0, 5, 3), 2, sizes=[5] + [0] * (w - 1)),
         "reduce_scatter",
         ["`dim`=2"],
+    ),
+    "scatter-src-world": Local(
+        lambda w: funcoll.scatter(rows(0, 2, 3), w), "scatter", ["`src`=", "not a rank"]
+    ),
+    "scatter-src-float": Local(
+        lambda w: funcoll.scatter(rows(0, 2, 3), 0.0), "scatter", ["`src`"], "TypeError"
+    ),
+    "scatter-dim-2-of-2d": Local(lambda w: funcoll.scatter(rows(0, 2, 3), 0, dim=2), "scatter", ["`dim`=2"]),
+    "scatter-x-not-a-tensor": Local(lambda w: funcoll.scatter([1.0], 0), "scatter", ["`x`"], "TypeError"),
+    "scatter-sizes-length": Local(
+        lambda w: funcoll.scatter(rows(0, 2, 3), 0, sizes=[1] * (w + 1)),
+        "scatter",
+        ["`sizes`", "one per rank"],
+    ),
+    "scatter-sizes-negative": Local(
+        lambda w: funcoll.scatter(rows(0, 2, 3), 0, sizes=_negative(w, 2)), "scatter", ["`sizes`", "negative"]
+    ),
+    "scatter-sizes-sum-w1": Local(  # with more ranks and checks on, the header carries this check
+        lambda w: funcoll.scatter(rows(0, 2, 3), 0, sizes=[3]),
+        "scatter",
+        ["`sizes`=[3] sums to 3, but rank 0's x.shape[0]=2"],
+        worlds=(1,),
     ),
     "reduce_scatter-op": Local(
         lambda w: funcoll.reduce_scatter(rows(0, 5, 3), sizes=[5] + [0] * (w - 1), op="mean"),
