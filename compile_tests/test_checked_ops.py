@@ -45,6 +45,8 @@ AGREEING: dict[str, Callable[[int], Any]] = {
     "all_to_all": lambda r: funcoll.all_to_all(_z(r, 2, 4, 2 - r), None, 1, 2, gather_sizes=[2, 1]),
     "ppermute": lambda r: funcoll.ppermute(_z(r, 3), [(0, 1), (1, 0)]),
     "broadcast": lambda r: funcoll.broadcast(_z(r, 3), src=1),
+    "reduce": lambda r: funcoll.reduce(_z(r, 3), dst=1, op="max"),
+    "scatter": lambda r: funcoll.scatter(_z(r, 3 - 2 * r, 2), 0, sizes=[2, 1]),
     "split_forward_gather_backward": lambda r: funcoll.split_forward_gather_backward(_z(0, 5), None, 0),
 }
 # The static ops with checks on: the counts header goes first and is read on the host
@@ -59,6 +61,7 @@ STATIC: dict[str, Callable[[int], Any]] = {
 DROPPED: dict[str, Callable[[int], Any]] = {
     "gather-dst0": lambda r: funcoll.gather(_z(r, 1 + r, 3), dst=0),
     "all_reduce-unused": lambda r: (funcoll.all_reduce(_z(r, 3)), _z(r, 2))[1],
+    "reduce-dst0": lambda r: funcoll.reduce(_z(r, 3), dst=0),  # rank 1's all_reduce result is unused
 }
 # Ranks that disagree, each way a checked op finds out: the even ops' header, the
 # static ops' counts (rank 1's above the bound) and shapes.

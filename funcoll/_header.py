@@ -55,11 +55,11 @@ WIDTH = SHAPE + MAX_DIMS
 TAIL = 2  # then TAIL * world columns: per-rank sizes (see exchange)
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
 
 
-def _shape_columns(x: Tensor, dim: int) -> list:
+def shape_columns(x: Tensor, dim: int) -> list:
     shape = [0 if i == dim else s for i, s in enumerate(x.shape)]
     if len(shape) > MAX_DIMS:  # fold the tail into the last column: a mismatch still shows
         tail = 0
@@ -96,8 +96,8 @@ def exchange(
     """
     d = -1 if dim is None else dim
     row = [
-        CODES[key], x.dim() if ndim is None else ndim, _dtype_code(x.dtype), d, int(x.requires_grad),
-        0 if dim is None else x.shape[dim], args[0], args[1], *_shape_columns(x, d),
+        CODES[key], x.dim() if ndim is None else ndim, dtype_code(x.dtype), d, int(x.requires_grad),
+        0 if dim is None else x.shape[dim], args[0], args[1], *shape_columns(x, d),
     ]  # fmt: skip
     header = ints_on(x.device, row)
     if sizes is None:
@@ -112,7 +112,7 @@ def exchange(
 def _gather_rows(header: Tensor, key: str, g: Group, step: str) -> tuple[Tensor, list]:
     """All-gather one header row per rank, check the table, and return it with the host ints."""
     # The host reads the table next (host_ints): wait now, not at that first use.
-    table = _prims._all_gather_impl(header, g.name, g.size, step, defer=False).view(g.size, -1)
+    table = _prims.all_gather_impl(header, g.name, g.size, step, defer=False).view(g.size, -1)
     return table, host_ints(table, key, g.rank)
 
 
@@ -414,7 +414,6 @@ _BY_CODE: tuple[Header, ...] = (
     ),
     Header("ppermute", reads=NDIM_ONLY, checks=(_check_perm,), check_only=True),
     Header("broadcast", args=(Arg("src"), None), reads=NDIM_ONLY, check_only=True),
-    Header("reduce", args=(REDUCE_OP, DST), reads=NDIM_ONLY, check_only=True),
     Header(
         "split_forward_gather_backward",
         args=(Arg("dim"), Arg("grad_scale", _named(GRAD_SCALES))),
@@ -429,6 +428,10 @@ _BY_CODE: tuple[Header, ...] = (
         check_only=True,
     ),
     Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
+    # Not an op: every data collective under checks (check_collective).
+    Header("collective", reads=NDIM_ONLY, check_only=True),
+    # Appended after it: the codes above keep their values.
+    Header("reduce", args=(REDUCE_OP, DST), reads=NDIM_ONLY, check_only=True),
     Header(
         "scatter",
         args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
@@ -436,8 +439,6 @@ _BY_CODE: tuple[Header, ...] = (
         varying_dim="`dim`",
         checks=(_check_scatter_sizes,),
     ),
-    # Not an op: every data collective under checks (check_collective).
-    Header("collective", reads=NDIM_ONLY, check_only=True),
 )
 HEADERS: dict[str, Header] = {h.name: h for h in _BY_CODE}
 CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}
@@ -519,14 +520,14 @@ def check_collective(
     group, _, k = group_name.rpartition(":funcoll")  # a compiled graph's k-th collective (wire_name)
     position = int(k) if group and k.isdigit() else -1
     row = [
-        CODES["collective"], x.dim(), _dtype_code(x.dtype), 0 if a2a else -1, position,
-        COLLECTIVES.index(collective), _group_code(group_name), op_code(), *_shape_columns(x, 0 if a2a else -1),
+        CODES["collective"], x.dim(), dtype_code(x.dtype), 0 if a2a else -1, position,
+        COLLECTIVES.index(collective), _group_code(group_name), op_code(), *shape_columns(x, 0 if a2a else -1),
     ]  # fmt: skip
     tail = [*splits[0], *splits[1]] if a2a and splits is not None else [0] * (TAIL * g.size)
     header = ints_on(x.device, [*row, *tail])
     if torch.compiler.is_compiling():  # after x: where x goes (a backward's graph), the header goes
         header = torch.ops.funcoll.after(header, x)
-    table = _prims._all_gather_impl(header, g.name, g.size, "the collective check", defer=False).view(
+    table = _prims.all_gather_impl(header, g.name, g.size, "the collective check", defer=False).view(
         g.size, -1
     )
     if not torch.compiler.is_compiling():

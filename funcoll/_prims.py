@@ -130,7 +130,7 @@ def _run(
     return _async.defer(out, collective, group_name, step, serial=how == "serial")
 
 
-def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
+def ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
     # Dynamo (2.13) fails with "Argument ... does not belong to this Graph" when a
     # SymInt that is a graph input is stored on an autograd ctx as is; `s + 0` is a
     # fresh SymInt of the same value that it handles. Plain ints pass through.
@@ -138,7 +138,7 @@ def _ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
 
 
 # --------------------------------------------------------------------------- all_gather_p
-def _all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, defer: bool = True) -> Tensor:
+def all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, defer: bool = True) -> Tensor:
     return _run(
         "all_gather", group_name, x.contiguous(), lambda t, g: _F.all_gather_into_tensor(t, world, g), step,
         defer=defer,
@@ -150,7 +150,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
         ctx.group_name, ctx.world = group_name, world
-        return _all_gather_impl(x, group_name, world)
+        return all_gather_impl(x, group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -251,7 +251,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
         _faults.remember(ctx)
-        ctx.recv, ctx.send, ctx.group_name = _ctx_ints(recv), _ctx_ints(send), group_name
+        ctx.recv, ctx.send, ctx.group_name = ctx_ints(recv), ctx_ints(send), group_name
         return _all_to_all(x, recv, send, group_name)
 
     @staticmethod
@@ -271,7 +271,7 @@ def all_to_all_p(x: Tensor, recv: Sequence[IntLike], send: Sequence[IntLike], gr
 # lost, and the data keeps the dtype the backend carries), and is not
 # differentiable. Each rank's block is its data rows then the `extra` rows,
 # which the caller reads back (bit-cast again).
-def _with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
+def with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
     """`blocks` ``(m, n, *R)`` with `extra` ``(k, *R)`` after each block's rows: ``(m * (n + k), *R)``."""
     m = blocks.shape[0]
     tail = extra.view(blocks.dtype).unsqueeze(0).expand(m, *extra.shape)
@@ -282,8 +282,8 @@ class _AllGatherBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
-        ctx.n, ctx.group_name, ctx.world = _ctx_ints([x.shape[0]])[0], group_name, world
-        return _all_gather_impl(_with_rows(x.unsqueeze(0), extra), group_name, world)
+        ctx.n, ctx.group_name, ctx.world = ctx_ints([x.shape[0]])[0], group_name, world
+        return all_gather_impl(with_rows(x.unsqueeze(0), extra), group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -304,11 +304,11 @@ class _AllToAllBlocks(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
         cap = x.shape[0] // world
-        ctx.cap, ctx.size = _ctx_ints([cap, cap + extra.shape[0]])
+        ctx.cap, ctx.size = ctx_ints([cap, cap + extra.shape[0]])
         ctx.group_name, ctx.world = group_name, world
         blocks = x.reshape(world, cap, *x.shape[1:])
         split = [cap + extra.shape[0]] * world
-        return _all_to_all(_with_rows(blocks, extra), split, split, group_name)
+        return _all_to_all(with_rows(blocks, extra), split, split, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -416,7 +416,7 @@ def _all_gather_v_impl(
     a backward into the forward, which would reorder one rank's collectives
     against another's).
     """
-    block = _all_gather_impl(x.narrow(0, 0, common), group_name, world)
+    block = all_gather_impl(x.narrow(0, 0, common), group_name, world)
     extras = [n - common for n in sizes]
     mine = x.narrow(0, common, extras[rank]).contiguous()
     received: dict[int, Tensor] = {}
@@ -552,8 +552,8 @@ class _AllGatherV(torch.autograd.Function):
         stats: Stats | None,
     ) -> Tensor:
         _faults.remember(ctx)
-        ctx.sizes, ctx.group_name, ctx.world, ctx.rank = _ctx_ints(sizes), group_name, world, rank
-        ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
+        ctx.sizes, ctx.group_name, ctx.world, ctx.rank = ctx_ints(sizes), group_name, world, rank
+        ctx.stats = None if stats is None else tuple(ctx_ints(stats))
         return _all_gather_v_impl(x, sizes, common, group_name, world, rank)
 
     @staticmethod
@@ -576,13 +576,13 @@ class _ReduceScatterV(torch.autograd.Function):
     ) -> Tensor:
         _faults.remember(ctx)
         ctx.sizes, ctx.reduce_op, ctx.group_name, ctx.world, ctx.rank = (
-            _ctx_ints(sizes),
+            ctx_ints(sizes),
             reduce_op,
             group_name,
             world,
             rank,
         )
-        ctx.stats = None if stats is None else tuple(_ctx_ints(stats))
+        ctx.stats = None if stats is None else tuple(ctx_ints(stats))
         return _reduce_scatter_v_impl(x, sizes, reduce_op, group_name, world, rank)
 
     @staticmethod

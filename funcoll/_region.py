@@ -76,8 +76,8 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
         ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank = dim, scale, group_name, world, rank
         # tensor_split's pieces unless given (a DTensor's: torch.chunk's); longest first either way
         sizes = tensor_split_sizes(x.shape[dim], world) if sizes is None else sizes
-        ctx.sizes = _prims._ctx_ints(sizes)
-        ctx.total = _prims._ctx_ints([x.shape[dim]])[0]
+        ctx.sizes = _prims.ctx_ints(sizes)
+        ctx.total = _prims.ctx_ints([x.shape[dim]])[0]
         start = sum(sizes[:rank])
         return fresh(x.narrow(dim, start, sizes[rank]))  # a copy even when the piece is contiguous
 
@@ -119,8 +119,8 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
             # the clone where the layout already matches; eager keeps .contiguous() (no copy).
             y = fresh(moved) if torch.compiler.is_compiling() else moved.contiguous()
         ctx.dim, ctx.scale, ctx.world = dim, scale, world
-        ctx.start = _prims._ctx_ints([sum(sizes[:rank])])[0]
-        ctx.len = _prims._ctx_ints([sizes[rank]])[0]
+        ctx.start = _prims.ctx_ints([sum(sizes[:rank])])[0]
+        ctx.len = _prims.ctx_ints([sizes[rank]])[0]
         return y
 
     @staticmethod

@@ -26,7 +26,7 @@ from ._config import checks_enabled
 from ._dtensor import refuse_dtensor
 from ._faults import public_op
 from ._group import Group, GroupLike, resolve_group
-from ._header import DTYPES, MAX_DIMS, _dtype_code, _shape_columns, after_read
+from ._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
 from ._rows import ints_on, pack
 from ._spec import spec
 from ._wire import unwire, wire
@@ -70,7 +70,7 @@ def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
 
 def _header(x: Tensor, d: int, counts: Tensor) -> Tensor:
     """This rank's header: its `counts`, then what the ranks must agree on (ndim, dtype, dim, shape)."""
-    facts = (x.dim(), _dtype_code(x.dtype), d, *_shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
+    facts = (x.dim(), dtype_code(x.dtype), d, *shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
     if torch.compiler.is_compiling():
         on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
     else:
@@ -155,7 +155,7 @@ def _exchange(
     table = (
         header.view(1, -1)
         if g.is_single
-        else _prims._all_gather_impl(
+        else _prims.all_gather_impl(
             header,
             g.name,
             g.size,
@@ -176,7 +176,7 @@ def _exchange(
 
 # The header travels in the data's collective as rows of the integer dtype of the
 # data's element size, bit-cast to the data's dtype for the trip (see
-# ``_prims._with_rows``). Each int64 of the header becomes 8 / itemsize pieces of
+# ``_prims.with_rows``). Each int64 of the header becomes 8 / itemsize pieces of
 # itemsize bytes, by arithmetic on int64, so that no view between element sizes
 # enters a compiled graph (inductor drops the copy such a view needs).
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

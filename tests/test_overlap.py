@@ -90,6 +90,8 @@ CASES: dict[str, tuple[Callable[[int, int], Any], Callable[[int, int], Tensor], 
                    lambda r, w: torch.cat(_ragged(w)), False),  # the padding is cut
     "all_to_all_v": (lambda r, w: funcoll.all_to_all_v(_even(w)[r], [2] * w)[0],
                      lambda r, w: _a2a_ref(_even(w), r), True),
+    "scatter": (lambda r, w: funcoll.scatter(_even(w)[r], 0),
+                lambda r, w: _even(w)[0].tensor_split(w)[r], True),  # src's length exchanged, then one all_to_all
     "gather_forward_split_backward": (
         lambda r, w: funcoll.gather_forward_split_backward(_ragged(w)[r], None, 0, sizes=_sizes(w)),
         lambda r, w: torch.cat(_ragged(w)), True),
