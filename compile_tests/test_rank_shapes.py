@@ -63,17 +63,10 @@ from _ops import (
 
 import funcoll
 from funcoll.moe import _autograd as moe_autograd
-from funcoll.testing import (
-    Collective,
-    collective_mismatch,
-    compiled_collectives,
-    graph_collectives,
-    run_ranks,
-)
+from funcoll.testing import Collective, collective_mismatch, compiling, run_ranks
 
 WORLDS = (2, 3)
 COMPILERS = ("aot_eager", "inductor", "inductor-overlap")
-OVERLAP_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
 # The cases whose backward builds its send buffers (padding, packing), each path once:
 # inductor runs them at 3 ranks too (it compiles C++ kernels for each graph: suite time).
 INDUCTOR_CASES = (
@@ -127,102 +120,68 @@ def _pair_input(rank: int, world: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------- rank side
-def _compiler(name: str) -> tuple[str, dict[str, Any]]:
-    from torch._inductor import config
-
-    if name == "inductor-overlap":
-        patch: dict[str, Any] = {"reorder_for_compute_comm_overlap": True,
-                                 "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
-        if getattr(config.aten_distributed_optimizations, "spmd_check", False):  # torch 2.12: docs/support.md
-            patch["aten_distributed_optimizations.spmd_check"] = False
-        return "inductor", patch
-    return name, {}
-
-
-def _compiled(fn: Callable[[], dict[str, Any]], compiler: str) -> dict[str, Any]:
+def _compiled(fn: Callable[[], dict[str, Any]], graphs: list[list[Collective]]) -> dict[str, Any]:
     """Run `fn` (a compiled step, forward and backward; it compiles) and read its graphs' collectives."""
-    from torch._inductor import config
-
-    _, patch = _compiler(compiler)
     try:
-        with config.patch(patch), compiled_collectives() as graphs:
-            result = fn()
+        result = fn()
     except Exception:  # noqa: BLE001 -- reported by the test, with the other ranks' errors
         return {"error": traceback.format_exc(limit=-8)}
     if "error" in result:
         return result
-    return {"result": result, "graphs": _GRAPHS.pop("graphs", []) if compiler == "aot_eager" else graphs}
-
-
-# aot_eager's partitioned graphs' collectives, as the compiler functions receive them (forward, then backward)
-_GRAPHS: dict[str, list[list[Collective]]] = {}
-
-
-def _aot_eager() -> Any:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def compiler(gm: torch.fx.GraphModule, _: Any) -> Callable[..., Any]:
-        _GRAPHS.setdefault("graphs", []).append(graph_collectives(gm))
-        return gm.forward
-
-    return aot_autograd(
-        fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition
-    )
+    return {"result": result, "graphs": list(graphs)}
 
 
 def _one_case(rank: int, world: int, key: str) -> dict[str, Any]:
     compiler, case_id = key.split("|", 1)
     torch._dynamo.reset()
-    _GRAPHS.clear()
-    backend: Any = _aot_eager() if compiler == "aot_eager" else "inductor"
-    if case_id.startswith("moe-"):
-        step = torch.compile(_moe_step(case_id.removeprefix("moe-")), fullgraph=True, backend=backend)
+    with compiling(compiler) as (backend, graphs):
+        if case_id.startswith("moe-"):
+            step = torch.compile(_moe_step(case_id.removeprefix("moe-")), fullgraph=True, backend=backend)
 
-        def moe() -> dict[str, Any]:
-            # A first step where every rank routes tokens, then one where the last rank routes
-            # none: that rank alone compiles a new graph (a shape it sees for the first
-            # time), the others run the graphs they compiled first, as in a training loop.
-            for first in (True, False):
-                x, idx = _moe_inputs(rank, world, first)
-                x.requires_grad_()
-                y = step(x, idx)
-                (y * 1.5).sum().backward()
-            return {"outputs": [y.detach()], "grads": [x.grad]}
+            def moe() -> dict[str, Any]:
+                # A first step where every rank routes tokens, then one where the last rank routes
+                # none: that rank alone compiles a new graph (a shape it sees for the first
+                # time), the others run the graphs they compiled first, as in a training loop.
+                for first in (True, False):
+                    x, idx = _moe_inputs(rank, world, first)
+                    x.requires_grad_()
+                    y = step(x, idx)
+                    (y * 1.5).sum().backward()
+                return {"outputs": [y.detach()], "grads": [x.grad]}
 
-        run = _compiled(moe, compiler)
-        if "graphs" in run:  # the graphs the second step ran: each rank's last forward and backward
-            run["graphs"] = run["graphs"][-2:]
+            run = _compiled(moe, graphs)
+            if "graphs" in run:  # the graphs the second step ran: each rank's last forward and backward
+                run["graphs"] = run["graphs"][-2:]
+            return {"run": run}
+        if case_id == "pair":
+            pair = torch.compile(_pair_step, fullgraph=True, backend=backend)
+
+            def both() -> dict[str, Any]:
+                x = _pair_input(rank, world).requires_grad_()
+                a, b = pair(x)
+                (a.sum() + 3 * b.sum()).backward()
+                return {"outputs": [a.detach(), b.detach()], "grads": [x.grad]}
+
+            return {"run": _compiled(both, graphs)}
+        case = CASES_BY_ID[case_id]
+        fn = torch.compile(case.call, fullgraph=True, backend=backend)
+
+        def two_steps() -> dict[str, Any]:
+            # A first step in which the last rank holds another length: on the second it alone
+            # sees a new static shape and compiles again (at 3 ranks with that dim dynamic, at 2
+            # with 0 rows, a size dynamo keeps static); the others run what they compiled first.
+            with last_rank_shifted():
+                first = run_case(case, rank, world, fn)
+            return first if "error" in first else run_case(case, rank, world, fn)
+
+        def one_step() -> dict[str, Any]:
+            return run_case(case, rank, world, fn)
+
+        run = _compiled(two_steps if _two_steps(compiler, case_id) else one_step, graphs)
+        if "graphs" in run:  # the graphs the second step ran: each rank's last forward (and backward)
+            run["compiled"] = len(run["graphs"])
+            run["graphs"] = run["graphs"][-_phases(case) :]
         return {"run": run}
-    if case_id == "pair":
-        pair = torch.compile(_pair_step, fullgraph=True, backend=backend)
-
-        def both() -> dict[str, Any]:
-            x = _pair_input(rank, world).requires_grad_()
-            a, b = pair(x)
-            (a.sum() + 3 * b.sum()).backward()
-            return {"outputs": [a.detach(), b.detach()], "grads": [x.grad]}
-
-        return {"run": _compiled(both, compiler)}
-    case = CASES_BY_ID[case_id]
-    fn = torch.compile(case.call, fullgraph=True, backend=backend)
-
-    def two_steps() -> dict[str, Any]:
-        # A first step in which the last rank holds another length: on the second it alone
-        # sees a new static shape and compiles again (at 3 ranks with that dim dynamic, at 2
-        # with 0 rows, a size dynamo keeps static); the others run what they compiled first.
-        with last_rank_shifted():
-            first = run_case(case, rank, world, fn)
-        return first if "error" in first else run_case(case, rank, world, fn)
-
-    def one_step() -> dict[str, Any]:
-        return run_case(case, rank, world, fn)
-
-    run = _compiled(two_steps if _two_steps(compiler, case_id) else one_step, compiler)
-    if "graphs" in run:  # the graphs the second step ran: each rank's last forward (and backward)
-        run["compiled"] = len(run["graphs"])
-        run["graphs"] = run["graphs"][-_phases(case) :]
-    return {"run": run}
 
 
 def _phases(case: OpCase) -> int:

@@ -54,6 +54,7 @@ __all__ = [
     "code_collectives",
     "collective_mismatch",
     "compiled_collectives",
+    "compiling",
     "count_host_reads",
     "gloo_worker_threads",
     "graph_collectives",
@@ -615,6 +616,63 @@ def compiled_collectives() -> Iterator[list[list[Collective]]]:
         ),
     ):
         yield graphs
+
+
+# Inductor's passes that move collectives and waits for overlap (``reorder_for_compute_comm_overlap``).
+OVERLAP_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
+COMPILERS = ("aot_eager", "inductor", "inductor-overlap")
+
+
+@contextlib.contextmanager
+def compiling(compiler: str = "inductor") -> Iterator[tuple[Any, list[list[Collective]]]]:
+    """A ``torch.compile`` backend, and the collectives of every graph it compiles inside the block.
+
+    `compiler` is one of ``COMPILERS``: ``"inductor"``; ``"inductor-overlap"``,
+    inductor with its compute/communication overlap passes (``OVERLAP_PASSES``,
+    the schedule that moves collectives and waits the farthest; torch 2.12's SPMD
+    check off, as docs/support.md says); or ``"aot_eager"``, AOT autograd's
+    partitioned graphs run as they are. Inductor's collectives are read from the
+    generated code (:func:`compiled_collectives`), aot_eager's from its FX graphs
+    (:func:`graph_collectives`): one list per graph, in the order they compile, a
+    step's forward first and its backward when that first runs. Compare the
+    ranks' lists, phase by phase, with :func:`collective_mismatch`. ::
+
+        with compiling("inductor-overlap") as (backend, graphs):
+            step = torch.compile(train_step, fullgraph=True, backend=backend)
+            step(batch).sum().backward()
+        return graphs                 # [forward's, backward's], from each rank of run_ranks
+    """
+    if compiler not in COMPILERS:
+        raise ValueError(f"funcoll.testing.compiling: `compiler`={compiler!r} is not one of {COMPILERS}")
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        recorded: list[list[Collective]] = []
+
+        def record(gm: torch.fx.GraphModule, _: Any) -> Callable[..., Any]:
+            recorded.append(graph_collectives(gm))
+            return gm.forward
+
+        yield (
+            aot_autograd(
+                fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
+            ),
+            recorded,
+        )
+        return
+    from torch._inductor import config
+
+    patch: dict[str, Any] = {}
+    if compiler == "inductor-overlap":
+        patch = {"reorder_for_compute_comm_overlap": True,
+                 "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)}  # fmt: skip
+        # torch 2.12 turns on an SPMD check with these passes: it all_gathers each graph's
+        # hash while compiling, which ranks that compile different graphs cannot pass.
+        if getattr(getattr(config, "aten_distributed_optimizations", None), "spmd_check", False):
+            patch["aten_distributed_optimizations.spmd_check"] = False
+    with config.patch(patch), compiled_collectives() as graphs:
+        yield "inductor", graphs
 
 
 def collective_mismatch(per_rank: list[list[Collective]]) -> str | None:

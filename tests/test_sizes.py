@@ -30,6 +30,7 @@ SLOTS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("all_to_all_padded", "send_sizes"): lambda bad: funcoll.all_to_all_padded(X, bad),
     ("gather_padded", "length"): lambda bad: funcoll.gather_padded(X, bad),
     ("gather", "sizes"): lambda bad: funcoll.gather(X, sizes=bad),
+    ("scatter", "sizes"): lambda bad: funcoll.scatter(X, 0, sizes=bad),
     ("all_gather_list", "sizes"): lambda bad: funcoll.all_gather_list(X, sizes=bad),
     ("all_gather_ragged", "sizes"): lambda bad: funcoll.all_gather_ragged(X, sizes=bad),
     ("gather_forward_split_backward", "sizes"): lambda bad: funcoll.gather_forward_split_backward(

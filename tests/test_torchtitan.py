@@ -54,13 +54,7 @@ from torchtitan.models.common.moe import (
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from funcoll.integrations.torchtitan import FuncollTokenDispatcher
-from funcoll.testing import (
-    Collective,
-    collective_mismatch,
-    compiled_collectives,
-    graph_collectives,
-    in_flight,
-)
+from funcoll.testing import collective_mismatch, compiling, in_flight
 
 # The release matrix (.ci/matrix.py, FUNCOLL_SMOKE=1) runs 2 ranks alone: the 4-rank
 # batch is most of this file's time, and the pinned release runs it.
@@ -85,7 +79,6 @@ PARAMS = ("x", "gate", "w1", "w2", "w3")
 # backward graphs must issue the same collectives (read from the generated code, or from
 # aot_eager's partitioned graphs). Dropless compiles exact mode's graph.
 COMPILERS = {2: ("inductor", "aot_eager", "inductor-overlap"), 4: ("inductor",)}
-OVERLAP_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
 COMPILED = tuple(
     (world, mode, "empty", compiler)
     for world in WORLDS
@@ -207,29 +200,8 @@ def _case(world: int, rank: int, mesh: Any, mode: str, routing: str) -> dict[str
 
 def _compiled_step(layer: MoE, x: Tensor, upstream: Tensor, compiler: str) -> dict[str, Any]:
     """`layer` compiled (fullgraph) by `compiler`, one step; with the collectives of the graphs that ran."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor import config
-
-    if compiler == "aot_eager":
-        recorded: list[list[Collective]] = []
-
-        def record(gm: torch.fx.GraphModule, _: Any) -> Any:
-            recorded.append(graph_collectives(gm))
-            return gm.forward
-
-        backend = aot_autograd(
-            fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
-        )
+    with compiling(compiler) as (backend, graphs):
         got = _step(layer, x, upstream, torch.compile(layer, fullgraph=True, backend=backend))
-        got["graphs"] = recorded
-        return got
-    overlap: dict[str, Any] = {"reorder_for_compute_comm_overlap": True,
-                               "reorder_for_compute_comm_overlap_passes": OVERLAP_PASSES}  # fmt: skip
-    if getattr(config.aten_distributed_optimizations, "spmd_check", False):  # torch 2.12: docs/support.md
-        overlap["aten_distributed_optimizations.spmd_check"] = False
-    with config.patch(overlap if compiler == "inductor-overlap" else {}), compiled_collectives() as graphs:
-        got = _step(layer, x, upstream, torch.compile(layer, fullgraph=True, backend="inductor"))
     got["graphs"] = graphs
     return got
 
