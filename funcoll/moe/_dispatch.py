@@ -139,6 +139,179 @@ def _exchange_blocks(t: Tensor, group: GroupLike, g: Group) -> Tensor:
     return t if g.is_single else _even.all_to_all(t, group, 0, 0)
 
 
+Layout = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # source, counts, offsets, ends, back_index
+
+
+def _dropless_table(
+    expert: Tensor,
+    given: Tensor | None,
+    capacity: int,
+    num_experts: int,
+    align: int,
+    g: Group,
+    group: GroupLike,
+) -> tuple[Tensor, Tensor, Tensor, IntLike, IntLike, tuple[Tensor, list[IntLike]]]:
+    """Dropless mode's counts exchange and its one host read, before the path is chosen.
+
+    Static if no rank of the group routes more pairs to one rank than the group's
+    largest `capacity` (then nothing drops), exact otherwise. One all_gather of every
+    rank's per-expert counts and capacity gives every rank the whole table: its own
+    received counts (the column block of its experts), and the group's need and
+    capacity, the same on every rank, so every rank takes the same path with the
+    same capacity (ranks whose capacities differ, from different token counts,
+    agree on the largest).
+
+    Returns this rank's per-expert counts, the pairs by expert, the rows sent to
+    each rank, the group's need and capacity, and (received counts, exact mode's ints).
+    """
+    world, e_local = g.size, num_experts // g.size
+    given = count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
+    # The capacity is filled in on the device: a tensor made from the host int would
+    # be a copy the host waits for on CUDA, a second sync beside the one below.
+    row = torch.cat([given, torch.full_like(given[:1], capacity)])
+    table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=group, tiled=False)
+    # While the table travels: the pairs by expert (token-major within one), the order
+    # both paths send them in. The static path is taken only when nothing drops, so
+    # it sends every pair, as exact mode does.
+    order = torch.sort(expert, stable=True).indices
+    # The table is read at once (the need, then the layout): waited here, so that its
+    # small ops run on a plain tensor, not each through a pending result's dispatch.
+    table = wait(table)
+    recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
+    sends = table[:, :num_experts].reshape(world, world, e_local).sum(2)  # rows rank s routes to rank d
+    per_dest = sends[g.rank]
+    # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
+    # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
+    # ints, so that an overflow reads nothing more.
+    agreed = (sends.max().view(1), table[:, num_experts].max().view(1))
+    ints = host_ints(exact_sizes(per_dest, sends[:, g.rank], recv_counts, align, head=agreed))
+    return given, order, per_dest, ints[0], ints[1], (recv_counts, ints[2:])
+
+
+def _kept(
+    expert: Tensor, given: Tensor | None, cap: int, e_local: int, world: int, dropless: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Static mode: whether each pair is sent, and the pairs bound to each rank; (None, None): every pair is.
+
+    Static mode proper drops the pairs past `cap` for one destination, unless none can
+    (see `drops`): then every pair is sent as on dropless's static path, with no drop order.
+    """
+    if not drops(cap, expert.shape[0], dropless=dropless):
+        return None, None
+    dest = expert // e_local  # each pair's destination rank
+    # pairs bound to each rank, before the capacity
+    wanted = count(dest, world) if given is None else given.view(world, e_local).sum(1)
+    return rank_in_dest(dest, world, wanted) <= cap, wanted
+
+
+def _static_send(
+    x: Tensor, order: Tensor, keep: Tensor | None, sent: Tensor, cap: int, k: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Static mode's send buffer: one block of ``cap + 1`` rows per rank, and the indices combine reads back.
+
+    Block d holds the kept pairs bound to rank d, by expert, then zero rows; on the
+    wire each block has one row more than `cap`, never data, so the last row of every
+    received block is a zero row that empty layout rows read. In `order` the kept
+    pairs come first, by expert (so by destination): slot i of block d holds pair
+    ``order[first[d] + i]`` if ``i < sent[d]``. Returns the rows, each pair's slot
+    (``row_of``), each slot's token (``send_index``) and pair, and which slots are free.
+    """
+    world, tokens, n_pairs, device = sent.shape[0], x.shape[0], order.shape[0], x.device
+    block = cap + 1
+    first = exclusive(sent)
+    i = torch.arange(block, device=device)
+    free = (i >= sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds no pair
+    at = (first.unsqueeze(1) + i).view(-1)  # a free slot: some later pair, or past them
+    if eager_rows(n_pairs):  # a free slot reads any pair, then holds none (T * k)
+        pair_of_slot = order.index_select(0, at.clamp_(max=n_pairs - 1)).masked_fill_(free, n_pairs)
+    else:  # `order` may have no pair to read: T * k read from one more entry
+        pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(
+            0, at.masked_fill_(free, n_pairs)
+        )
+    # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
+    # row of block 0 (zeros, which combine weights by zero; no kept pair's slot is a
+    # spare row); with none dropped, every pair's entry is written.
+    if keep is None:
+        row_of = torch.empty(n_pairs + 1, dtype=torch.int64, device=device)
+    else:
+        row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
+    row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
+    send_index = pair_of_slot // k  # an empty slot: T, past x's rows
+    # An empty slot reads any row of x, and each block's spare row is zeroed (x is
+    # not copied with a zero row), unless x has no row to read.
+    spare: bool | int = block if eager_rows(tokens) else True
+    # Its backward sums each token's slots (one bag of k): a gather, not a scatter
+    # into zeros. A dropped pair's is the spare row of block 0, whose gradient is
+    # zero (the layout's backward zeroes the spare rows).
+    if x.dtype.is_floating_point:
+        send_rows = Gather.apply(x, send_index, spare, row_of.view(tokens, k), None)
+    else:
+        send_rows = take(x, send_index, spare)
+    return send_rows, row_of, send_index, pair_of_slot, free
+
+
+def _exact_receive(
+    send_rows: Tensor,
+    recv_counts: Tensor,
+    per_dest: Tensor,
+    ints: list[IntLike] | None,
+    align: int,
+    g: Group,
+) -> tuple[Tensor, Layout, dict[str, object]]:
+    """Exact mode's uneven all-to-all and the received rows laid out by expert: (out, layout, handle extras).
+
+    `ints`: exact mode's host ints when dropless read them already, else None.
+    """
+    world = g.size
+    if ints is None:
+        # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
+        # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
+        # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
+        # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
+        # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
+        ints = host_ints(exact_sizes(per_dest, recv_counts.sum(1), recv_counts, align))
+    send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
+    n_in = sum(recv_sizes)
+    torch._check(rows >= n_in)
+    recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
+    source, dest_of, counts, offsets, ends = expert_layout(recv_counts, n_in, rows, align)
+    back_index = dest_of  # every received row is data: no index past the rows of y
+    # The backward gathers each received row's gradient from its layout row.
+    out = Gather.apply(recv, source, align > 1, back_index, None)
+    return (
+        out,
+        (source, counts, offsets, ends, back_index),
+        {"send_sizes": send_sizes, "recv_sizes": recv_sizes},
+    )
+
+
+def _static_receive(
+    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, group: GroupLike, g: Group
+) -> tuple[Tensor, Layout, dict[str, object]]:
+    """Static mode's even all_to_all of the blocks, laid out by expert: (out, layout, handle extras)."""
+    world = g.size
+    block = cap + 1
+    rows = -(-(world * cap + e_local * (align - 1)) // align) * align
+    # One even all_to_all of the blocks: the counts are known from the counts exchange,
+    # so nothing else travels (no header, no pack; the blocks stay where they land).
+    recv = _exchange_blocks(send_rows, group, g)
+    source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
+    # The rows combine sends back, as the blocks came: block row q carries its layout
+    # row, if it holds data; otherwise an index past y's rows, which combine's gather
+    # clamps (any row of y; each block's spare row zeros), or, if y has none, reads
+    # as a zero row (index 0). Combine reads back only the slots that carry a pair
+    # and the spare row of block 0.
+    back_index = dest_of if rows > 0 else dest_of.clamp(max=0)
+    # The backward gathers each received row's gradient from its layout row. A block row
+    # that holds no data gets the last layout row's, unread by its sender, except the
+    # spare rows, zero: a dropped pair's names its sender's spare row.
+    if rows == 0:  # no layout row (capacity 0): nothing to gather
+        out = take(recv, source, spare=False)
+    else:
+        out = Gather.apply(recv, source, False, back_index, block)
+    return out, (source, counts, offsets, ends, back_index), {"_recv_table": recv_counts}
+
+
 @public_op("moe.dispatch")
 def dispatch(
     x: Tensor,
@@ -246,50 +419,18 @@ def dispatch(
             f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
         )
     n_pairs = expert.shape[0]
-    known: tuple[Tensor, list[int]] | None = None  # dropless: the counts exchanged and the ints read
+    known: tuple[Tensor, list[IntLike]] | None = None  # dropless: the counts exchanged and the ints read
     group_needed = None
     order = None  # the pairs in the order they are sent: by expert, so by destination rank
     if mode == "dropless":
-        # Static if no rank of the group routes more pairs to one rank than the group's
-        # largest `capacity` (then nothing drops), exact otherwise. One all_gather of every
-        # rank's per-expert counts and capacity gives every rank the whole table: its own
-        # received counts (the column block of its experts), and the group's need and
-        # capacity, the same on every rank, so every rank takes the same path with the
-        # same capacity (ranks whose capacities differ, from different token counts,
-        # agree on the largest).
-        given = count(expert, num_experts) if given is None else given  # counted once: both paths reuse it
-        # The capacity is filled in on the device: a tensor made from the host int would
-        # be a copy the host waits for on CUDA, a second sync beside the one below.
-        row = torch.cat([given, torch.full_like(given[:1], capacity)])
-        table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=group, tiled=False)
-        # While the table travels: the pairs by expert (token-major within one), the order
-        # both paths send them in. The static path is taken only when nothing drops, so
-        # it sends every pair, as exact mode does.
-        order = torch.sort(expert, stable=True).indices
-        # The table is read at once (the need, then the layout): waited here, so that its
-        # small ops run on a plain tensor, not each through a pending result's dispatch.
-        table = wait(table)
-        recv_counts = table[:, g.rank * e_local : (g.rank + 1) * e_local]  # (world, E_local): by source
-        sends = table[:, :num_experts].reshape(world, world, e_local).sum(2)  # rows rank s routes to rank d
-        per_dest = sends[g.rank]
-        # Device-to-host sync, the one of a dropless dispatch (eager only: the path taken
-        # depends on it): the group's need and capacity, then exact mode's 2 * world + 1
-        # ints, so that an overflow reads nothing more.
-        agreed = (sends.max().view(1), table[:, num_experts].max().view(1))
-        ints = host_ints(exact_sizes(per_dest, sends[:, g.rank], recv_counts, align, head=agreed))
-        group_needed, capacity = ints[0], ints[1]
+        given, order, per_dest, group_needed, capacity, known = _dropless_table(
+            expert, given, capacity, num_experts, align, g, group
+        )
         mode = "static" if group_needed <= capacity else "exact"
-        known = (recv_counts, ints[2:])
-    keep = None  # static mode: whether each pair is sent (not dropped); None: every pair is
+    keep = wanted = None  # static mode: whether each pair is sent (None: every pair is), and to where
     if mode == "static":
         cap = n_pairs if capacity is None else capacity
-        # Static mode proper drops the pairs past `cap` for one destination, unless none can
-        # (see `drops`): then every pair is sent as on dropless's static path, with no drop order.
-        if drops(cap, n_pairs, dropless=known is not None):
-            dest = expert // e_local  # each pair's destination rank
-            # pairs bound to each rank, before the capacity
-            wanted = count(dest, world) if given is None else given.view(world, e_local).sum(1)
-            keep = rank_in_dest(dest, world, wanted) <= cap
+        keep, wanted = _kept(expert, given, cap, e_local, world, dropless=known is not None)
     if keep is None:
         per_expert = count(expert, num_experts) if given is None else given
     else:
@@ -311,86 +452,20 @@ def dispatch(
     if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
         per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
     if mode == "static":
-        # Block d of the send buffer holds the kept pairs bound to rank d, by expert,
-        # then zero rows; on the wire each block has one row more than `cap`, never
-        # data, so the last row of every received block is a zero row that empty
-        # layout rows read. In `order` the kept pairs come first, by expert (so by
-        # destination): slot i of block d holds pair order[first[d] + i] if i < sent[d].
-        block = cap + 1
         sent = per_dest if keep is None else wanted.clamp(max=cap)
-        first = exclusive(sent)
-        i = torch.arange(block, device=device)
-        free = (i >= sent.unsqueeze(1)).view(-1)  # (world * block,): the slot holds no pair
-        at = (first.unsqueeze(1) + i).view(-1)  # a free slot: some later pair, or past them
-        if eager_rows(n_pairs):  # a free slot reads any pair, then holds none (T * k)
-            pair_of_slot = order.index_select(0, at.clamp_(max=n_pairs - 1)).masked_fill_(free, n_pairs)
-        else:  # `order` may have no pair to read: T * k read from one more entry
-            pair_of_slot = torch.cat([order, order.new_full((1,), n_pairs)]).index_select(
-                0, at.masked_fill_(free, n_pairs)
-            )
-        # Combine gets the blocks back as sent. A dropped pair reads row `cap`, the spare
-        # row of block 0 (zeros, which combine weights by zero; no kept pair's slot is a
-        # spare row); with none dropped, every pair's entry is written.
-        if keep is None:
-            row_of = torch.empty(n_pairs + 1, dtype=torch.int64, device=device)
-        else:
-            row_of = torch.full((n_pairs + 1,), cap, dtype=torch.int64, device=device)
-        row_of = row_of.scatter_(0, pair_of_slot, torch.arange(world * block, device=device))[:n_pairs]
-        send_index = pair_of_slot // k  # an empty slot: T, past x's rows
-        # An empty slot reads any row of x, and each block's spare row is zeroed (x is
-        # not copied with a zero row), unless x has no row to read.
-        spare: bool | int = block if eager_rows(tokens) else True
-        # Its backward sums each token's slots (one bag of k): a gather, not a scatter
-        # into zeros. A dropped pair's is the spare row of block 0, whose gradient is
-        # zero (the layout's backward zeroes the spare rows).
-        if x.dtype.is_floating_point:
-            send_rows = Gather.apply(x, send_index, spare, row_of.view(tokens, k), None)
-        else:
-            send_rows = take(x, send_index, spare)
+        send_rows, row_of, send_index, pair_of_slot, free = _static_send(x, order, keep, sent, cap, k)
         if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
             per_dest = wanted
     # Read at once by the layout's small ops (and exact mode's host read): waited here,
     # so that they run on a plain tensor, not each through a pending result's dispatch.
     recv_counts = wait(recv_counts)
     if mode == "exact":
-        # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
-        # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
-        # and the layout's rows. Each is read as it is used, not summed on the host from per-expert
-        # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
-        # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
-        if known is None:
-            ints = host_ints(exact_sizes(per_dest, recv_counts.sum(1), recv_counts, align))
-        else:  # dropless, overflowed: read with the need
-            ints = known[1]
-        send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
-        n_in = sum(recv_sizes)
-        torch._check(rows >= n_in)
-        recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
-        source, dest_of, counts, offsets, ends = expert_layout(recv_counts, n_in, rows, align)
-        back_index = dest_of  # every received row is data: no index past the rows of y
-        extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
+        ints = None if known is None else known[1]  # dropless, overflowed: read with the need
+        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g)
     else:
-        n_in = world * block  # block s from source s: its kept pairs by expert, then zero rows
-        rows = -(-(world * cap + e_local * (align - 1)) // align) * align
-        # One even all_to_all of the blocks: the counts are known from the counts exchange,
-        # so nothing else travels (no header, no pack; the blocks stay where they land).
-        recv = _exchange_blocks(send_rows, group, g)
-        source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
-        # The rows combine sends back, as the blocks came: block row q carries its layout
-        # row, if it holds data; otherwise an index past y's rows, which combine's gather
-        # clamps (any row of y; each block's spare row zeros), or, if y has none, reads
-        # as a zero row (index 0). Combine reads back only the slots that carry a pair
-        # and the spare row of block 0.
-        back_index = dest_of if rows > 0 else dest_of.clamp(max=0)
-        extra = {"_keep": keep, "_free": free, "_recv_table": recv_counts}
-    # The backward gathers each received row's gradient from its layout row. A block row
-    # that holds no data (static mode) gets the last layout row's, unread by its sender,
-    # except the spare rows, zero: a dropped pair's names its sender's spare row.
-    if mode == "static" and rows == 0:  # no layout row (capacity 0): nothing to gather
-        out = take(recv, source, spare=False)
-    else:
-        blocks = block if mode == "static" else None
-        out = Gather.apply(recv, source, mode == "exact" and align > 1, back_index, blocks)
+        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, group, g)
+        extra.update(_keep=keep, _free=free)
+    source, counts, offsets, ends, back_index = layout
     handle = MoEHandle(
         mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
         align=align, group=group, counts=counts, offsets=offsets, ends=ends,
