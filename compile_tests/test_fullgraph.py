@@ -290,8 +290,8 @@ def test_eager_backend_matches_eager_and_reference(case: OpCase) -> None:
     """backend="eager" (dynamo alone, autograd as in eager code): the debugging backend.
 
     Its gradients come from the traced autograd.Functions themselves, not from AOT
-    autograd: on torch 2.11 they were zero for every primitive until ``_prims._run``
-    returned a view of ``wait_tensor``'s result (``_prims._ALIAS_WAIT``).
+    autograd: on torch 2.11 they were zero for every primitive until ``_issue.run``
+    returned a view of ``wait_tensor``'s result (``_issue.ALIAS_WAIT``).
     """
     if case.id in KNOWN_BUGS:
         results = _results(2, (case.id,), "eager", (None,), False, timeout=KNOWN_BUG_TIMEOUT_S)

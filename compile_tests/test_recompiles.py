@@ -47,17 +47,18 @@ TIMEOUT = 180.0
 # automatic-dynamic graph, and the specialized graphs for lengths 0 and 1.
 DYNAMO_MAX_GRAPHS = 4
 
-OPS = ("gather", "all_gather_ragged", "all_to_all_v", "reduce_scatter")
+OPS = ("gather", "all_gather_ragged", "all_to_all_v", "reduce_scatter", "scatter")
 # The release matrix's smoke run (_ops.SMOKE): a ragged length on dim 0, and one on the
 # last dim whose first call is empty.
 SMOKE_OPS = ("gather", "all_gather_ragged")
 # The ragged dim of each op's input (the inputs are built by `_input`).
-DIMS = {"gather": 0, "all_gather_ragged": -1, "all_to_all_v": 0, "reduce_scatter": 0}
+DIMS = {"gather": 0, "all_gather_ragged": -1, "all_to_all_v": 0, "reduce_scatter": 0, "scatter": 0}
 SHAPE_IDS = {
     "gather": "x(n,3)-dim0",
     "all_gather_ragged": "x(2,n)-dim-1",
     "all_to_all_v": "x(sum(send),3)-dim0",
     "reduce_scatter": "x(sum(sizes),2)-dim0-sizes-tensor",
+    "scatter": "x(n,3)-dim0-src0",
 }
 
 
@@ -93,6 +94,7 @@ def _input(op: str, world: int, step: int, rank: int) -> Tensor:
         "all_gather_ragged": (2, int(m[0, rank])),
         "all_to_all_v": (int(m[rank].sum()), 3),
         "reduce_scatter": (int(m[0].sum()), 2),
+        "scatter": (int(m[0].sum()) if rank == 0 else int(m[0, rank]), 3),  # the others' rows: unused
     }[op]
     gen = torch.Generator().manual_seed(_seed(OPS.index(op), world, step, rank, 1))
     return torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -130,11 +132,16 @@ def _reduce_scatter_step(x: Tensor, sizes: Tensor) -> Tensor:
     return funcoll.reduce_scatter(x, 0, sizes=sizes)
 
 
+def _scatter_step(x: Tensor, arg: Tensor | None) -> Tensor:
+    return funcoll.scatter(x, 0)  # rank 0's length exchanged, split as split_sizes
+
+
 STEP_FNS: dict[str, Callable[..., Any]] = {
     "gather": _gather_step,
     "all_gather_ragged": _all_gather_ragged_step,
     "all_to_all_v": _all_to_all_v_step,
     "reduce_scatter": _reduce_scatter_step,
+    "scatter": _scatter_step,
 }
 
 
@@ -144,6 +151,8 @@ def _reference_outputs(op: str, world: int, step: int, xs: list[Tensor]) -> list
     m = _size_matrix(op, world, step)
     if op in ("gather", "all_gather_ragged"):
         return [torch.cat(xs, DIMS[op])] * world
+    if op == "scatter":
+        return list(torch.tensor_split(xs[0], world))
     if op == "all_to_all_v":
         offsets = torch.cat([torch.zeros(world, 1, dtype=m.dtype), m.cumsum(1)], 1)
         return [
@@ -160,8 +169,10 @@ def _reference(op: str, world: int, step: int) -> tuple[list[Tensor], list[Tenso
     xs = [_input(op, world, step, r).requires_grad_() for r in range(world)]
     ys = _reference_outputs(op, world, step, xs)
     loss = sum((y * _upstream(op, world, step, r, y.shape)).sum() for r, y in enumerate(ys))
-    grads = torch.autograd.grad(loss, xs)
-    return [y.detach() for y in ys], list(grads)
+    grads = torch.autograd.grad(loss, xs, allow_unused=True)  # scatter: only rank 0's input is used
+    return [y.detach() for y in ys], [
+        torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs, strict=True)
+    ]
 
 
 def _local_lengths(op: str, world: int, rank: int) -> list[int]:

@@ -16,7 +16,7 @@ did. A result and all its views share one :class:`_Ticket`, so the collective is
 waited once, whichever of them is read first.
 
 Only eager code gets a :class:`Pending`: a compiled graph has the bare
-``wait_tensor`` that inductor schedules (``_prims._run``).
+``wait_tensor`` that inductor schedules (``_issue.run``).
 """
 
 from __future__ import annotations

@@ -32,16 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _prims
+from . import _issue
 from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total
 from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._faults import OP_NAMES, op_code
 from ._group import Group, group_of, rank_of, size_of
-from ._prims import Stats
 from ._rows import ints_on
 from ._strategy import STRATEGIES
-from ._sym import max_of, min_of
+from ._sym import Stats, max_of, min_of
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -112,7 +111,7 @@ def exchange(
 def _gather_rows(header: Tensor, key: str, g: Group, step: str) -> tuple[Tensor, list]:
     """All-gather one header row per rank, check the table, and return it with the host ints."""
     # The host reads the table next (host_ints): wait now, not at that first use.
-    table = _prims.all_gather_impl(header, g.name, g.size, step, defer=False).view(g.size, -1)
+    table = _issue.gather_rows(header, g.name, g.size, step).view(g.size, -1)
     return table, host_ints(table, key, g.rank)
 
 
@@ -527,9 +526,7 @@ def check_collective(
     header = ints_on(x.device, [*row, *tail])
     if torch.compiler.is_compiling():  # after x: where x goes (a backward's graph), the header goes
         header = torch.ops.funcoll.after(header, x)
-    table = _prims.all_gather_impl(header, g.name, g.size, "the collective check", defer=False).view(
-        g.size, -1
-    )
+    table = _issue.gather_rows(header, g.name, g.size, "the collective check").view(g.size, -1)
     if not torch.compiler.is_compiling():
         _read(table, "collective", g.rank)  # a device-to-host sync (none for a CPU tensor): the check's read
         return x

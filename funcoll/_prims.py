@@ -41,27 +41,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _async, _faults
+from . import _faults, _issue
 from ._checks import IntLike
 from ._config import checks_enabled
 from ._group import wire_name
+from ._header import check_collective
 from ._rows import cut_padding, pad_rows
 from ._strategy import all_equal, common_rows, resolve
-from ._sym import max_of
+from ._sym import Stats, max_of
 
 _F = torch.ops._c10d_functional
-
-# (min, max, sum) of a ragged gather's per-rank sizes; see gather_rows.
-Stats = tuple[IntLike, IntLike, IntLike]
-
-
-# Dynamo 2.11 on the "eager" backend (dynamo alone, no AOT autograd) drops the gradient
-# of an autograd.Function whose forward returns ``wait_tensor``'s result itself: the
-# input's gradient came back zero, for every primitive, and for a bare Function around
-# ``all_reduce`` and ``wait_tensor``. A view of it (``aten.alias``: no copy, no kernel)
-# keeps the gradient. aot_eager and inductor were right on 2.11, and every backend is
-# right from 2.12 on (compile_tests/test_fullgraph.py, the eager-backend case).
-_ALIAS_WAIT = torch.__version__ < "2.12"
 
 
 def _run(
@@ -74,60 +63,20 @@ def _run(
     defer: bool = True,
     splits: tuple[Sequence[IntLike], Sequence[IntLike]] | None = None,
 ) -> Tensor:
-    """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
-
-    Eager, the result is a :class:`funcoll._async.Pending` (funcol's
-    ``AsyncCollectiveTensor`` design): the call returns once the collective is
-    issued, and the wait happens when an op first reads the values, so the
-    caller's work in between overlaps with the communication. On a gloo group
-    with two worker threads (torch's default) it is also waited before funcoll's
-    next eager collective is issued, so that one is in flight at a time
-    (:func:`funcoll._async.defers`).
-    A backend failure (a peer rank died, raised or stayed away) is re-raised
-    naming the funcoll op, the collective and its `step` (:mod:`funcoll._faults`),
-    at the issue or at that wait. ``defer=False`` waits at once: the size exchanges, whose values
-    the host reads next. While compiling this is the issue and the wait, which
-    inductor's passes may move past independent work; under checks a size
-    exchange's wait (``defer=False``) is ``funcoll::wait``, which names the op
-    too: the host reads the sizes next, so there is no overlap to lose.
+    """Issue one collective through :func:`funcoll._issue.run`, checked first under checks.
 
     `x` is the payload (contiguous) and ``issue(x, group)`` issues the collective;
     `splits` are an all_to_all's (send, receive) sizes. With ``funcoll.set_checks(True)``
     every data collective (not the size exchanges, ``defer=False``) first exchanges
     a header saying what it is (:func:`funcoll._header.check_collective`), so that
     ranks whose next collectives differ raise the same ``ValueError`` instead of
-    pairing them.
-
-    Eager, the issue and the wait dispatch below autograd. Every collective here
-    runs inside a primitive's forward (grad off, funcoll's own backward) or on a
-    size header, which has no gradient, so the autograd kernels torch registers
-    on the ``_c10d_functional`` ops (in Python, in torch 2.13) would only check
-    the grad mode and redispatch. Skipping them saves 20-35 us of CPU per
-    collective (2 gloo CPU ranks, torch 2.13: issue and wait take 15-20 us of the
-    calling thread's CPU instead of 35-55 us).
+    pairing them. In a compiled graph the check and the collective run under the
+    one group name :func:`funcoll._group.wire_name` gives this collective.
     """
-    compiling = torch.compiler.is_compiling()
-    wire = wire_name(group_name) if compiling else group_name
+    wire = wire_name(group_name) if torch.compiler.is_compiling() else None
     if defer and checks_enabled():
-        from ._header import check_collective  # the header exchange runs on this module's all_gather
-
-        x = check_collective(collective, wire, x, splits)
-    if compiling:
-        out = issue(x, wire)
-        if checks_enabled() and not defer:  # a checked header: the host reads it next, nothing to move
-            return _faults.checked_wait(out, x, _faults.traced_op(), collective, group_name, step)
-        y = _F.wait_tensor(out)
-        return torch.ops.aten.alias(y) if _ALIAS_WAIT else y
-    _async.drain()  # a gloo collective kept in flight is waited before the next one runs
-    try:
-        with torch._C._AutoDispatchBelowAutograd():
-            out = issue(x, group_name)
-            how = _async.defers(out, group_name) if defer else None  # on gloo: _async.defers
-            if how is None:
-                return _F.wait_tensor(out)
-    except RuntimeError as e:
-        raise _faults.failed(collective, group_name, step, e) from e
-    return _async.defer(out, collective, group_name, step, serial=how == "serial")
+        x = check_collective(collective, wire or group_name, x, splits)
+    return _issue.run(collective, group_name, x, issue, step, defer=defer, wire=wire)
 
 
 def ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:

@@ -249,7 +249,8 @@ def scatter(
     if g.is_single:
         return fresh(x)
     if given is None or checked:
-        tail = None if given is None else torch.tensor([int(n) for n in given], dtype=torch.int64)
+        # the list travels for every rank to check (a tensor as given: its entries may be unbacked)
+        tail = sizes if isinstance(sizes, Tensor) else None if given is None else torch.tensor(list(given))
         _, ints = exchange("scatter", x, d, g, args=(src, int(given is not None)), sizes=tail)
     sz = given if given is not None else tensor_split_sizes(ints[0], g.size)
     xm = wire(x).movedim(d, 0)

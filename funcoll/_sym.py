@@ -22,7 +22,10 @@ import torch
 
 from ._checks import IntLike
 
-__all__ = ["max_of", "min_of", "prod"]
+# (min, max, sum) of a ragged gather's per-rank sizes (_prims.gather_rows).
+Stats = tuple[IntLike, IntLike, IntLike]
+
+__all__ = ["Stats", "max_of", "min_of", "prod"]
 
 
 def _min2(a: IntLike, b: IntLike) -> IntLike:

@@ -175,6 +175,30 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
     example = [train.rank_batch(cfg, s, 0, world)[1] for s in range(min(cfg.steps, 3))]
     print(f"tokens per rank, first steps: {', '.join(str(e) for e in example)}")
     print()
+    rows, failed, waits = _rows(cfg, runs, ref)
+    _print_table(rows)
+    print()
+    marks = sorted({0, cfg.steps // 2, cfg.steps - 1})
+    print("loss, every run and rank: " + ", ".join(f"step {s} {ref.losses[s]:.6f}" for s in marks))
+    for note in _notes(cfg, runs, waits):
+        print(textwrap.fill(note, width=110, initial_indent="  - ", subsequent_indent="    "))
+    if failed:
+        print(
+            f"MISMATCH: a run differs from the reference by more than {TOLERANCE:g}, or compiled more than once"
+        )
+    else:
+        print(
+            f"OK: the three runs match the single-process reference within {TOLERANCE:g} on every step's loss "
+            f"and on the final parameters"
+        )
+    return 1 if failed else 0
+
+
+def _rows(
+    cfg: train.Config, runs: list[dict[str, train.PhaseResult]], ref: train.PhaseResult
+) -> tuple[list[tuple[str, ...]], bool, dict[str, float]]:
+    """The summary table's rows (a header, then one per run and the reference), whether a run failed, and each
+    mode's wait per collective."""
     rows = [
         (
             "run",
@@ -237,6 +261,10 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
             "-",
         )
     )
+    return rows, failed, waits
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print(
@@ -247,9 +275,14 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
         )
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
-    print()
-    marks = sorted({0, cfg.steps // 2, cfg.steps - 1})
-    print("loss, every run and rank: " + ", ".join(f"step {s} {ref.losses[s]:.6f}" for s in marks))
+
+
+def _notes(
+    cfg: train.Config,
+    runs: list[dict[str, train.PhaseResult]],
+    waits: dict[str, float],
+) -> list[str]:
+    """The notes under the table and the losses: what each column measures and how."""
     timed, profiled = train.step_ranges(cfg.steps)
     timed = timed or profiled
     compile_s = max(r["compiled"].step_times[0] for r in runs)
@@ -285,18 +318,7 @@ def report(cfg: train.Config, world: int, backend: str, runs: list[dict[str, tra
         "A host read costs nothing on CPU tensors (the sizes are in host memory already); on a GPU each is "
         "a device-to-host sync, which stalls the CPU until the GPU has caught up."
     )
-    for note in notes:
-        print(textwrap.fill(note, width=110, initial_indent="  - ", subsequent_indent="    "))
-    if failed:
-        print(
-            f"MISMATCH: a run differs from the reference by more than {TOLERANCE:g}, or compiled more than once"
-        )
-    else:
-        print(
-            f"OK: the three runs match the single-process reference within {TOLERANCE:g} on every step's loss "
-            f"and on the final parameters"
-        )
-    return 1 if failed else 0
+    return notes
 
 
 def _under_launcher() -> bool:

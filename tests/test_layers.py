@@ -1,0 +1,115 @@
+"""funcoll's modules import one another one way, and never another module's private names.
+
+Read from the source (nothing is imported): every ``import`` of a funcoll module by
+another, at the top of a file or inside a function, and every ``_module._name`` or
+``from ._module import _name`` that reaches into another module. The layers, from the
+bottom: the switches and checks (``_config``, ``_checks``, ``_group``, ...), the issue
+and wait of one collective (``_issue``), the size exchange (``_header``), the
+primitives (``_prims``), the op families, the frontends (``lax``, ``compat``, ``moe``,
+``integrations``), the tools (``testing``, the demo): docs/contributing.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "funcoll"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(importer: str, is_package: bool, level: int, name: str | None) -> str:
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join([*base, name] if name else base)
+
+
+@functools.cache
+def _imports() -> dict[str, dict[str, set[str]]]:
+    """module -> {imported funcoll module: the names taken from it}."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _module(path)
+        edges = graph.setdefault(me, {})
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}  # a local name -> the funcoll module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):  # `import funcoll`, `import funcoll.moe as moe`
+                for a in node.names:
+                    if a.name.split(".")[0] == "funcoll":
+                        edges.setdefault(a.name, set())
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").split(".")[0] == "funcoll"
+            ):
+                target = (
+                    _resolve(me, path.name == "__init__.py", node.level, node.module)
+                    if node.level
+                    else node.module
+                )
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists() or (
+                        PACKAGE.parent / sub.replace(".", "/")
+                    ).is_dir():
+                        edges.setdefault(sub, set())
+                        aliases[a.asname or a.name] = sub
+                    else:
+                        edges.setdefault(target, set()).add(a.name)
+        for node in ast.walk(tree):  # `_prims._run`: a name taken through a module alias
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+            ):
+                edges[aliases[node.value.id]].add(node.attr)
+    return graph
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    private = [
+        f"{me} takes {name} from {other}"
+        for me, edges in _imports().items()
+        for other, names in edges.items()
+        if other != me and not other.startswith(me + ".")
+        for name in sorted(names)
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert not private, "\n".join(private)
+
+
+def test_the_imports_have_no_cycle() -> None:
+    imports = _imports()
+    graph = {me: {o for o in edges if o != me and o in imports} for me, edges in imports.items()}
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_reading_finds_the_known_imports() -> None:
+    """The reader sees the edges it is meant to police (a reader that saw nothing would pass)."""
+    graph = _imports()
+    assert "funcoll._issue" in graph["funcoll._header"]
+    assert "funcoll._header" in graph["funcoll._prims"]
+    assert "check_collective" in graph["funcoll._prims"]["funcoll._header"]
+    assert "funcoll._even" in graph["funcoll.moe._dispatch"]
