@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _issue
-from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total
+from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total, tensor_split_sizes
 from ._config import checks_enabled
 from ._dtensor import chunk_sizes, moves
 from ._faults import OP_NAMES, op_code
@@ -275,7 +275,10 @@ def _chunk_moves(rows: list[list[int]], rank: int) -> list[int]:
 
 
 TO_CHUNKS = Reader(_chunk_moves, lambda w: 3 * w + 1)
-SRC_LENGTH = Reader(lambda rows, rank: [rows[rows[0][ARG0]][SIZE]], lambda w: 1)  # scatter: `src`'s length
+# scatter: `src`'s length split as tensor_split does, each piece read on its own: compiled, each
+# is then an unbacked symbol of its own, which the backward binds from its inputs (inductor
+# 2.14 and 2.15 cannot bind an expression of one, such as `(u0 + 1) // 2`).
+SPLIT_SRC = Reader(lambda rows, rank: tensor_split_sizes(rows[rows[0][ARG0]][SIZE], len(rows)), lambda w: w)
 NDIM_ONLY = Reader(lambda rows, rank: [rows[rank][NDIM]], lambda w: 1)  # an even op's check
 
 
@@ -434,7 +437,7 @@ _BY_CODE: tuple[Header, ...] = (
     Header(
         "scatter",
         args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
-        reads=SRC_LENGTH,
+        reads=SPLIT_SRC,
         varying_dim="`dim`",
         checks=(_check_scatter_sizes,),
     ),

@@ -25,7 +25,6 @@ from ._checks import (
     check_tensor,
     check_total,
     fresh,
-    tensor_split_sizes,
 )
 from ._config import checks_enabled
 from ._dtensor import dtensor_input, refuse_dtensor
@@ -252,7 +251,7 @@ def scatter(
         # the list travels for every rank to check (a tensor as given: its entries may be unbacked)
         tail = sizes if isinstance(sizes, Tensor) else None if given is None else torch.tensor(list(given))
         _, ints = exchange("scatter", x, d, g, args=(src, int(given is not None)), sizes=tail)
-    sz = given if given is not None else tensor_split_sizes(ints[0], g.size)
+    sz = given if given is not None else ints  # exchanged: `src`'s length, split (`_header.SPLIT_SRC`)
     xm = wire(x).movedim(d, 0)
     if g.rank == src:
         torch._check(xm.shape[0] == sum(sz))
