@@ -267,10 +267,11 @@ def dtensor_input(opname: str, x: object, group: GroupLike) -> MeshAxis | None:
     return MeshAxis(opname, x, m, g.name, g.size, g.rank)  # type: ignore[arg-type]
 
 
-def refuse_dtensor(opname: str, x: object, why: str, instead: str = "") -> None:
+def refuse_dtensor(opname: str, x: object, why: str, instead: str = "", arg: str = "x") -> None:
     """Ops whose result no DTensor placement describes take plain tensors only."""
     if is_dtensor(x):
         raise ValueError(
-            f"{opname}: `x` is a DTensor, but {why}, which no DTensor placement describes; pass "
-            f"x.to_local() for the per-rank op on plain tensors" + (f", or use {instead}" if instead else "")
+            f"{opname}: `{arg}` is a DTensor, but {why}, which no DTensor placement describes; pass "
+            f"{arg}.to_local() for the per-rank op on plain tensors"
+            + (f", or use {instead}" if instead else "")
         )

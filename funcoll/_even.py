@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -18,14 +19,13 @@ from ._checks import (
     check_rank,
     check_reduce_op,
     check_sizes,
-    check_tensor,
     check_total,
     fresh,
     tensor_split_sizes,
 )
-from ._dtensor import dtensor_input, is_placement, refuse_dtensor
-from ._faults import public_op
-from ._group import GroupLike, resolve_group
+from ._dtensor import MeshAxis, is_placement
+from ._entry import Refusal, entry
+from ._group import Group, GroupLike
 from ._header import check_agreement
 from ._ragged import reduce_scatter_v
 from ._region import gather_shards
@@ -54,7 +54,15 @@ def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
     return moved.reshape(out_shape)
 
 
-@public_op("all_gather")
+def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool) -> Tensor:
+    """``Shard(dim) -> Replicate()`` (``tiled=False`` is refused before this)."""
+    return gather_shards(ax, ax.dim(dim))
+
+
+_STACKS = "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
+
+
+@entry("all_gather", dtensor=_all_gather_dtensor, refuse=Refusal(*_STACKS, when=lambda a: not a["tiled"]))
 def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool = True) -> Tensor:
     """Gather `x` from every rank of `group` (JAX ``all_gather``).
 
@@ -88,21 +96,12 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         # rank 0: x = tensor(0.5)     rank 1: x = tensor(1.5)
         all_gather(x)                 # both: [0.5, 1.5]
     """
-    return _all_gather("funcoll.all_gather", x, dim, group, tiled)
+    return _all_gather("funcoll.all_gather", x, dim, cast(Group, group), tiled)
 
 
-def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool) -> Tensor:
-    x = check_tensor(opname, "x", x)
-    if tiled and opname == "funcoll.all_gather":
-        ax = dtensor_input(opname, x, group)
-        if ax is not None:  # Shard(dim) -> Replicate()
-            return gather_shards(ax, ax.dim(dim))
-    refuse_dtensor(
-        opname, x, "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
-    )
+def _all_gather(opname: str, x: Tensor, dim: int, g: Group, tiled: bool) -> Tensor:
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
-    g = resolve_group(opname, group)
     x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
@@ -118,7 +117,7 @@ def _all_gather(opname: str, x: Tensor, dim: int, group: GroupLike, tiled: bool)
     return _merge_rank_axis(stacked, d)
 
 
-@public_op("all_gather_into_tensor")
+@entry("all_gather_into_tensor", refuse=Refusal(*_STACKS))
 def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
     """The functional form of ``torch.distributed.all_gather_into_tensor``.
 
@@ -140,10 +139,36 @@ def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
         # rank 0: x = [0., 0.]        rank 1: x = [1., 1.]
         all_gather_into_tensor(x)     # both: [[0., 0.], [1., 1.]]
     """
-    return _all_gather("funcoll.all_gather_into_tensor", x, 0, group, False)
+    return _all_gather("funcoll.all_gather_into_tensor", x, 0, cast(Group, group), False)
 
 
-@public_op("reduce_scatter")
+def _reduce_scatter_dtensor(
+    ax: MeshAxis, dim: int, op: str, tiled: bool, sizes: Sequence[int] | Tensor | None
+) -> Tensor:
+    """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout."""
+    opname = ax.opname
+    d = ax.dim(dim)
+    reduce_op = check_reduce_op(opname, op, ax.x)
+    if sizes is not None or not tiled:
+        raise ValueError(
+            f"{opname}: `x` is a DTensor, whose Shard({d}) has torch.chunk's lengths; `sizes` and "
+            f"tiled=False are for plain tensors (got sizes={sizes!r}, tiled={tiled})"
+        )
+    ax.expect_partial(reduce_op)
+    ax.expect_unsharded_elsewhere(d, "dim")
+    local = ax.local()
+    if ax.world == 1:
+        return ax.wrap(fresh(local), Shard(d))
+    sz, xm, wop = ax.sizes(d), wire(local).movedim(d, 0), wire_op(reduce_op, local.dtype)
+    if _static_equal(sz):
+        y = _prims.reduce_scatter_p(xm, wop, ax.name, ax.world)
+    else:
+        stats = (sz[-1], sz[0], local.shape[d])
+        y = _prims.reduce_scatter_v_p(xm, sz, wop, ax.name, ax.world, ax.rank, stats)
+    return ax.wrap(unwire(y, local.dtype).movedim(0, d), Shard(d))
+
+
+@entry("reduce_scatter", dtensor=_reduce_scatter_dtensor)
 def reduce_scatter(
     x: Tensor,
     dim: int = 0,
@@ -188,30 +213,9 @@ def reduce_scatter(
         reduce_scatter(x)             # rank 0: [11, 22]      rank 1: [33, 44]
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
     """
-    opname = "funcoll.reduce_scatter"
-    x = check_tensor(opname, "x", x)
+    opname, g = "funcoll.reduce_scatter", cast(Group, group)
     d = check_dim(opname, x, dim)
     reduce_op = check_reduce_op(opname, op, x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Partial(op) -> Shard(dim), in DTensor's chunk layout
-        if sizes is not None or not tiled:
-            raise ValueError(
-                f"{opname}: `x` is a DTensor, whose Shard({d}) has torch.chunk's lengths; `sizes` and "
-                f"tiled=False are for plain tensors (got sizes={sizes!r}, tiled={tiled})"
-            )
-        ax.expect_partial(reduce_op)
-        ax.expect_unsharded_elsewhere(d, "dim")
-        local = ax.local()
-        if ax.world == 1:
-            return ax.wrap(fresh(local), Shard(d))
-        sz, xm, wop = ax.sizes(d), wire(local).movedim(d, 0), wire_op(reduce_op, local.dtype)
-        if _static_equal(sz):
-            y = _prims.reduce_scatter_p(xm, wop, ax.name, ax.world)
-        else:
-            stats = (sz[-1], sz[0], local.shape[d])
-            y = _prims.reduce_scatter_v_p(xm, sz, wop, ax.name, ax.world, ax.rank, stats)
-        return ax.wrap(unwire(y, local.dtype).movedim(0, d), Shard(d))
-    g = resolve_group(opname, group)
     if sizes is not None:
         if not tiled:
             raise ValueError(f"{opname}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
@@ -237,7 +241,19 @@ def reduce_scatter(
     return y.squeeze(d) if not tiled else y
 
 
-@public_op("all_reduce")
+def _all_reduce_dtensor(ax: MeshAxis, op: str) -> Tensor:
+    """``Partial(op) -> Replicate()``; the gradient of the one value passes through."""
+    reduce_op = check_reduce_op(ax.opname, op, ax.x)
+    ax.expect_partial(reduce_op)
+    local = ax.local()
+    if ax.world == 1:
+        return ax.wrap(fresh(local), Replicate())
+    wop = wire_op(reduce_op, local.dtype)
+    y = unwire(_prims.replicate_p(wire(local), wop, 0, ax.name, ax.world), local.dtype)
+    return ax.wrap(y, Replicate())
+
+
+@entry("all_reduce", dtensor=_all_reduce_dtensor)
 def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result (JAX ``psum``).
 
@@ -265,19 +281,8 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         all_reduce(x)                 # both: [4., 6.]
         all_reduce(x, op="max")       # both: [3., 4.]
     """
-    opname = "funcoll.all_reduce"
-    x = check_tensor(opname, "x", x)
-    reduce_op = check_reduce_op(opname, op, x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Partial(op) -> Replicate(); the gradient of the one value passes through
-        ax.expect_partial(reduce_op)
-        local = ax.local()
-        if ax.world == 1:
-            return ax.wrap(fresh(local), Replicate())
-        wop = wire_op(reduce_op, local.dtype)
-        y = unwire(_prims.replicate_p(wire(local), wop, 0, ax.name, ax.world), local.dtype)
-        return ax.wrap(y, Replicate())
-    g = resolve_group(opname, group)
+    g = cast(Group, group)
+    reduce_op = check_reduce_op("funcoll.all_reduce", op, x)
     x = check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
     if g.is_single:
         return fresh(x)
@@ -309,7 +314,33 @@ def split_sizes(total: int, world: int) -> list[int]:
     return tensor_split_sizes(total, world)
 
 
-@public_op("all_to_all")
+def _all_to_all_dtensor(
+    ax: MeshAxis,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[int] | None,
+    gather_sizes: Sequence[int] | None,
+) -> Tensor:
+    """``Shard(gather_dim) -> Shard(scatter_dim)``, both in DTensor's chunk layout."""
+    opname = ax.opname
+    s, gd = ax.dim(scatter_dim, "scatter_dim"), ax.dim(gather_dim, "gather_dim")
+    if scatter_sizes is not None or gather_sizes is not None:
+        raise ValueError(
+            f"{opname}: `x` is a DTensor, whose shards have torch.chunk's lengths, known from its "
+            f"global shape; `scatter_sizes` and `gather_sizes` are for plain tensors"
+        )
+    if s == gd:
+        raise ValueError(
+            f"{opname}: scatter_dim == gather_dim == {s} interleaves the ranks' pieces, which no "
+            f"DTensor placement describes; pass x.to_local() for the op on plain tensors"
+        )
+    ax.expect_shard(gd, "gather_dim")
+    ax.expect_unsharded_elsewhere(s, "scatter_dim")
+    y = all_to_all(ax.local(gd), ax.group, s, gd, scatter_sizes=ax.sizes(s), gather_sizes=ax.sizes(gd))
+    return ax.wrap(y, Shard(s))
+
+
+@entry("all_to_all", dtensor=_all_to_all_dtensor)
 def all_to_all(
     x: Tensor,
     group: GroupLike = None,
@@ -369,28 +400,9 @@ def all_to_all(
         # rank 0: x = [[1, 2], [5, 6]]  rank 1: x = [[3], [7]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
     """
-    opname = "funcoll.all_to_all"
-    x = check_tensor(opname, "x", x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Shard(gather_dim) -> Shard(scatter_dim), both in DTensor's chunk layout
-        s, gd = ax.dim(scatter_dim, "scatter_dim"), ax.dim(gather_dim, "gather_dim")
-        if scatter_sizes is not None or gather_sizes is not None:
-            raise ValueError(
-                f"{opname}: `x` is a DTensor, whose shards have torch.chunk's lengths, known from its "
-                f"global shape; `scatter_sizes` and `gather_sizes` are for plain tensors"
-            )
-        if s == gd:
-            raise ValueError(
-                f"{opname}: scatter_dim == gather_dim == {s} interleaves the ranks' pieces, which no "
-                f"DTensor placement describes; pass x.to_local() for the op on plain tensors"
-            )
-        ax.expect_shard(gd, "gather_dim")
-        ax.expect_unsharded_elsewhere(s, "scatter_dim")
-        y = all_to_all(ax.local(gd), ax.group, s, gd, scatter_sizes=ax.sizes(s), gather_sizes=ax.sizes(gd))
-        return ax.wrap(y, Shard(s))
+    opname, g = "funcoll.all_to_all", cast(Group, group)
     s = check_dim(opname, x, scatter_dim, "scatter_dim")
     gd = check_dim(opname, x, gather_dim, "gather_dim")
-    g = resolve_group(opname, group)
     if scatter_sizes is None:
         pieces = tensor_split_sizes(x.shape[s], g.size)
     else:
@@ -462,7 +474,27 @@ def _check_perm(opname: str, perm: object, size: int) -> list[tuple[int, int]]:
     return pairs
 
 
-@public_op("ppermute")
+def _ppermute_dtensor(ax: MeshAxis, perm: Sequence[tuple[int, int]]) -> Tensor:
+    """``Shard(d) -> Shard(d)``: whole shards move, so they must be equal."""
+    p = ax.placement
+    if not is_placement(p, Shard):
+        raise ax.refuse("Shard(d) with equal shards (ppermute moves whole shards between ranks)")
+    ax.expect_unsharded_elsewhere(p.dim, "the Shard dim")
+    n = ax.x.shape[p.dim]
+    check_equal(
+        n % ax.world,
+        0,
+        f"{ax.opname}: shards of unequal length",
+        lambda: str(
+            ax.refuse(
+                f"Shard({p.dim}) with equal shards, and x.shape[{p.dim}]={n} does not divide by {ax.world}"
+            )
+        ),
+    )
+    return ax.wrap(ppermute(ax.local(p.dim), perm, group=ax.group), p)
+
+
+@entry("ppermute", dtensor=_ppermute_dtensor)
 def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = None) -> Tensor:
     """Send `x` along the (src, dst) pairs of `perm` (JAX ``ppermute``).
 
@@ -487,28 +519,8 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
         ppermute(x, [(0, 1)])         # rank 0: [0., 0.]      rank 1: [1., 1.]
         ppermute(x, [(0, 1), (1, 0)]) # rank 0: [2., 2.]      rank 1: [1., 1.]
     """
-    opname = "funcoll.ppermute"
-    x = check_tensor(opname, "x", x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Shard(d) -> Shard(d): whole shards move, so they must be equal
-        p = ax.placement
-        if not is_placement(p, Shard):
-            raise ax.refuse("Shard(d) with equal shards (ppermute moves whole shards between ranks)")
-        ax.expect_unsharded_elsewhere(p.dim, "the Shard dim")
-        n = ax.x.shape[p.dim]
-        check_equal(
-            n % ax.world,
-            0,
-            f"{opname}: shards of unequal length",
-            lambda: str(
-                ax.refuse(
-                    f"Shard({p.dim}) with equal shards, and x.shape[{p.dim}]={n} does not divide by {ax.world}"
-                )
-            ),
-        )
-        return ax.wrap(ppermute(ax.local(p.dim), perm, group=ax.group), p)
-    g = resolve_group(opname, group)
-    pairs = _check_perm(opname, perm, g.size)
+    g = cast(Group, group)
+    pairs = _check_perm("funcoll.ppermute", perm, g.size)
     dsts = [-1] * g.size  # the destination of every rank, -1 for none: what the check compares
     for src_rank, dst_rank in pairs:
         dsts[src_rank] = dst_rank
@@ -534,7 +546,18 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = N
     return unwire(got.view(x.shape), x.dtype)
 
 
-@public_op("broadcast")
+def _broadcast_dtensor(ax: MeshAxis, src: int) -> Tensor:
+    """``Replicate() -> Replicate()``; the gradient of the one value passes through."""
+    check_rank(ax.opname, "src", src, ax.world)
+    ax.expect(Replicate(), "Replicate()")
+    local = ax.local()
+    if ax.world == 1:
+        return ax.wrap(fresh(local), Replicate())
+    y = unwire(_prims.replicate_p(wire(local), None, src, ax.name, ax.world), local.dtype)
+    return ax.wrap(y, Replicate())
+
+
+@entry("broadcast", dtensor=_broadcast_dtensor)
 def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     """Every rank gets rank `src`'s `x`.
 
@@ -557,26 +580,15 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
         # rank 0: x = [1., 2.]        rank 1: x = [0., 0.]
         broadcast(x, src=0)           # both: [1., 2.]
     """
-    opname = "funcoll.broadcast"
-    x = check_tensor(opname, "x", x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Replicate() -> Replicate(); the gradient of the one value passes through
-        check_rank(opname, "src", src, ax.world)
-        ax.expect(Replicate(), "Replicate()")
-        local = ax.local()
-        if ax.world == 1:
-            return ax.wrap(fresh(local), Replicate())
-        y = unwire(_prims.replicate_p(wire(local), None, src, ax.name, ax.world), local.dtype)
-        return ax.wrap(y, Replicate())
-    g = resolve_group(opname, group)
-    check_rank(opname, "src", src, g.size)
+    g = cast(Group, group)
+    check_rank("funcoll.broadcast", "src", src, g.size)
     x = check_agreement("broadcast", x, g, args=(src, 0))
     if g.is_single:
         return fresh(x)
     return unwire(_prims.broadcast_p(wire(x), src, g.name, g.size, g.rank), x.dtype)
 
 
-@public_op("reduce")
+@entry("reduce", refuse=Refusal("its result is on one rank", "funcoll.all_reduce(x)"))
 def reduce(x: Tensor, dst: int, op: str = "sum", *, group: GroupLike = None) -> Tensor:
     """Reduce `x` over the ranks of `group` onto rank `dst` (``torch.distributed.reduce``, as a function).
 
@@ -611,11 +623,8 @@ def reduce(x: Tensor, dst: int, op: str = "sum", *, group: GroupLike = None) -> 
         reduce(x, dst=1)              # rank 0: [0., 0.]   rank 1: [4., 6.]
         reduce(x, 0, op="max")        # rank 0: [3., 4.]   rank 1: [0., 0.]
     """
-    opname = "funcoll.reduce"
-    x = check_tensor(opname, "x", x)
+    opname, g = "funcoll.reduce", cast(Group, group)
     reduce_op = check_reduce_op(opname, op, x)
-    refuse_dtensor(opname, x, "its result is on one rank", "funcoll.all_reduce(x)")
-    g = resolve_group(opname, group)
     check_rank(opname, "dst", dst, g.size)
     x = check_agreement("reduce", x, g, args=(REDUCE_OPS.index(reduce_op), dst))
     if g.is_single:

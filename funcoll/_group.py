@@ -35,8 +35,6 @@ __all__ = [
     "wire_name",
 ]
 
-GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | None
-
 
 @dataclass(frozen=True)
 class Group:
@@ -53,6 +51,11 @@ class Group:
     @property
     def is_single(self) -> bool:
         return self.size == 1
+
+
+# What every op takes as `group`. A resolved Group passes as it is: the ops' entry
+# resolves the group once and hands the Group on (funcoll/_entry.py).
+GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | Group | None
 
 
 def _from_process_group(pg: dist.ProcessGroup) -> Group:
@@ -189,6 +192,8 @@ def resolve_group(opname: str, group: GroupLike) -> Group:
     Every form resolves inside a compiled region too, with no graph break: the
     group is a constant of the trace, so the graph holds its name as a string.
     """
+    if isinstance(group, Group):
+        return group
     if isinstance(group, DeviceMesh):
         return _from_process_group(_mesh_group(opname, group, None))
     if isinstance(group, tuple):

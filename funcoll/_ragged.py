@@ -11,6 +11,7 @@ sit at ``[sizes[0] + ... + sizes[i-1], ... + sizes[i])``. funcoll exchanges
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -22,14 +23,13 @@ from ._checks import (
     check_dim,
     check_rank,
     check_sizes,
-    check_tensor,
     check_total,
     fresh,
 )
 from ._config import checks_enabled
-from ._dtensor import dtensor_input, refuse_dtensor
-from ._faults import public_op
-from ._group import Group, GroupLike, resolve_group
+from ._dtensor import MeshAxis
+from ._entry import Refusal, entry
+from ._group import Group, GroupLike
 from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
 from ._rows import ints_on
@@ -77,7 +77,20 @@ def ragged_all_gather(
     return (y if dim == 0 else y.movedim(0, dim).contiguous()), table
 
 
-@public_op("gather")
+def _gather_dtensor(
+    ax: MeshAxis, dim: int, dst: int | None, strategy: str, sizes: Sequence[int] | Tensor | None
+) -> Tensor:
+    """``Shard(dim) -> Replicate()``, the lengths known from the global shape (`sizes` is not read);
+    a `dst` is refused before this."""
+    _check_strategy(ax.opname, strategy)
+    return gather_shards(ax, ax.dim(dim), strategy)
+
+
+@entry(
+    "gather",
+    dtensor=_gather_dtensor,
+    refuse=Refusal("with a `dst` its result is on one rank", "dst=None", when=lambda a: a["dst"] is not None),
+)
 def gather(
     x: Tensor,
     dim: int = 0,
@@ -145,17 +158,9 @@ def gather(
         gather(x)            # both: [0.5, 2.0]
         # rank 0: x of shape (2, 1), rank 1: (1, 2): ValueError on both (dim 1 differs)
     """
-    opname = "funcoll.gather"
-    x = check_tensor(opname, "x", x)
-    if dst is None:
-        ax = dtensor_input(opname, x, group)
-        if ax is not None:  # Shard(dim) -> Replicate(), the lengths known from the global shape
-            _check_strategy(opname, strategy)
-            return gather_shards(ax, ax.dim(dim), strategy)
-    refuse_dtensor(opname, x, "with a `dst` its result is on one rank", "dst=None")
+    opname, g = "funcoll.gather", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
     strat = _check_strategy(opname, strategy)
-    g = resolve_group(opname, group)
     if dst is not None:
         check_rank(opname, "dst", dst, g.size)
     sizes = given_sizes(opname, x, d, sizes, g)
@@ -186,7 +191,7 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
         )
 
 
-@public_op("scatter")
+@entry("scatter", refuse=Refusal("its input is one rank's tensor", "funcoll.split_forward_gather_backward"))
 def scatter(
     x: Tensor,
     src: int,
@@ -235,11 +240,8 @@ def scatter(
         scatter(x, src=0)            # rank 0: [[1., 2.], [3., 4.]]   rank 1: [[5., 6.]]
         scatter(x, 0, sizes=[1, 2])  # rank 0: [[1., 2.]]   rank 1: [[3., 4.], [5., 6.]]
     """
-    opname = "funcoll.scatter"
-    x = check_tensor(opname, "x", x)
-    refuse_dtensor(opname, x, "its input is one rank's tensor", "funcoll.split_forward_gather_backward")
+    opname, g = "funcoll.scatter", cast(Group, group)
     d = check_dim(opname, x, dim)
-    g = resolve_group(opname, group)
     check_rank(opname, "src", src, g.size)
     given = None if sizes is None else host_sizes(opname, "sizes", sizes, g.size)
     checked = checks_enabled() and not g.is_single
@@ -263,7 +265,10 @@ def scatter(
     return got if d == 0 else got.movedim(0, d).contiguous()
 
 
-@public_op("all_gather_list")
+@entry(
+    "all_gather_list",
+    refuse=Refusal("its result is a list of the ranks' tensors", "funcoll.all_gather(x, dim)"),
+)
 def all_gather_list(
     x: Tensor,
     dim: int = 0,
@@ -298,13 +303,9 @@ def all_gather_list(
         # rank 0: x = [1.5, 2.3]      rank 1: x = [5.3]
         all_gather_list(x)            # both: [tensor([1.5, 2.3]), tensor([5.3])]
     """
-    opname = "funcoll.all_gather_list"
-    x = check_tensor(opname, "x", x)
-    refuse_dtensor(opname, x, "its result is a list of the ranks' tensors", "funcoll.all_gather(x, dim)")
-    x0 = x
+    opname, g, x0 = "funcoll.all_gather_list", cast(Group, group), x
     x, d, ndim = as_rows(opname, x, dim)
     strat = _check_strategy(opname, strategy)
-    g = resolve_group(opname, group)
     sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return [fresh(x0)]
@@ -314,7 +315,17 @@ def all_gather_list(
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
 
-@public_op("all_gather_ragged")
+def _all_gather_ragged_dtensor(
+    ax: MeshAxis, dim: int, strategy: str, sizes: Sequence[int] | Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``Shard(dim) -> Replicate()``, and the shards' lengths (`sizes` is not read)."""
+    _check_strategy(ax.opname, strategy)
+    d = ax.dim(dim)
+    y = gather_shards(ax, d, strategy)
+    return y, ints_on(y.device, ax.sizes(d))
+
+
+@entry("all_gather_ragged", dtensor=_all_gather_ragged_dtensor)
 def all_gather_ragged(
     x: Tensor,
     dim: int = 0,
@@ -349,17 +360,9 @@ def all_gather_ragged(
         # rank 0: x = [[1, 2], [3, 4]]   rank 1: x = [[5, 6]]
         all_gather_ragged(x)   # both: ([[1, 2], [3, 4], [5, 6]], tensor([2, 1]))
     """
-    opname = "funcoll.all_gather_ragged"
-    x = check_tensor(opname, "x", x)
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Shard(dim) -> Replicate(), and the shards' lengths
-        _check_strategy(opname, strategy)
-        d = ax.dim(dim)
-        y = gather_shards(ax, d, strategy)
-        return y, ints_on(y.device, ax.sizes(d))
+    opname, g = "funcoll.all_gather_ragged", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
     _check_strategy(opname, strategy)
-    g = resolve_group(opname, group)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x), ints_on(x.device, [x.shape[d]])
@@ -398,7 +401,10 @@ def reduce_scatter_v(
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
 
-@public_op("all_to_all_v")
+@entry(
+    "all_to_all_v",
+    refuse=Refusal("it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged"),
+)
 def all_to_all_v(
     x: Tensor,
     send_sizes: Sequence[int] | Tensor,
@@ -439,11 +445,8 @@ def all_to_all_v(
         all_to_all_v(x, send_sizes)
         # rank 0: ([1, 4, 5], tensor([1, 2]))   rank 1: ([2, 3], tensor([2, 0]))
     """
-    opname = "funcoll.all_to_all_v"
-    x = check_tensor(opname, "x", x)
-    refuse_dtensor(opname, x, "it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged")
+    opname, g = "funcoll.all_to_all_v", cast(Group, group)
     d = check_dim(opname, x, dim)
-    g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):

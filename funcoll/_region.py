@@ -13,17 +13,17 @@ Uneven dims follow ``torch.tensor_split``: along a dim of length n the first
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _faults, _prims
-from ._checks import IntLike, check_dim, check_tensor, fresh, tensor_split_sizes
-from ._dtensor import MeshAxis, dtensor_input
-from ._faults import public_op
-from ._group import Group, GroupLike, resolve_group
+from ._checks import IntLike, check_dim, fresh, tensor_split_sizes
+from ._dtensor import MeshAxis
+from ._entry import entry
+from ._group import Group, GroupLike
 from ._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
 from ._wire import unwire, wire
 
@@ -42,14 +42,9 @@ def _check_grad_scale(opname: str, grad_scale: object) -> str | None:
     raise ValueError(f"{opname}: `grad_scale`={grad_scale!r} must be 'up', 'down' or None (1.0 means None)")
 
 
-def _region_args(
-    opname: str, x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale
-) -> tuple[Tensor, int, str | None, Group]:
-    """The checks both region ops make on a plain `x`, in order: x, dim, grad_scale, group."""
-    x = check_tensor(opname, "x", x)
-    d = check_dim(opname, x, dim)
-    scale = _check_grad_scale(opname, grad_scale)
-    return x, d, scale, resolve_group(opname, group)
+def _region_args(opname: str, x: Tensor, dim: int, grad_scale: GradScale) -> tuple[int, str | None]:
+    """The checks both region ops make on a plain `x`, in order: dim, grad_scale."""
+    return check_dim(opname, x, dim), _check_grad_scale(opname, grad_scale)
 
 
 def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
@@ -129,7 +124,19 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         return _scaled(piece, ctx.scale, ctx.world).contiguous(), *[None] * 8
 
 
-@public_op("split_forward_gather_backward")
+def _split_forward_gather_backward_dtensor(ax: MeshAxis, dim: int, grad_scale: GradScale) -> Tensor:
+    """``Replicate() -> Shard(dim)``, in DTensor's chunk layout."""
+    d, scale = ax.dim(dim), _check_grad_scale(ax.opname, grad_scale)
+    ax.expect(Replicate(), "Replicate()")
+    ax.expect_unsharded_elsewhere(d, "dim")
+    local = ax.local()
+    if ax.world == 1:
+        return ax.wrap(fresh(local), Shard(d))
+    y = _SplitForwardGatherBackward.apply(local, d, scale, ax.name, ax.world, ax.rank, ax.sizes(d))
+    return ax.wrap(y, Shard(d))
+
+
+@entry("split_forward_gather_backward", dtensor=_split_forward_gather_backward_dtensor)
 def split_forward_gather_backward(
     x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
 ) -> Tensor:
@@ -157,25 +164,22 @@ def split_forward_gather_backward(
         split_forward_gather_backward(x, None, 0)   # rank 0: [1, 2]   rank 1: [3]
         # backward with grad 1. on every rank: x.grad = [1., 1., 1.]
     """
-    opname = "funcoll.split_forward_gather_backward"
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:  # Replicate() -> Shard(dim), in DTensor's chunk layout
-        d, scale = ax.dim(dim), _check_grad_scale(opname, grad_scale)
-        ax.expect(Replicate(), "Replicate()")
-        ax.expect_unsharded_elsewhere(d, "dim")
-        local = ax.local()
-        if ax.world == 1:
-            return ax.wrap(fresh(local), Shard(d))
-        y = _SplitForwardGatherBackward.apply(local, d, scale, ax.name, ax.world, ax.rank, ax.sizes(d))
-        return ax.wrap(y, Shard(d))
-    x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
+    g = cast(Group, group)
+    d, scale = _region_args("funcoll.split_forward_gather_backward", x, dim, grad_scale)
     x = check_agreement("split_forward_gather_backward", x, g, args=(d, GRAD_SCALES.index(scale)))
     if g.is_single:
         return fresh(x)
     return _SplitForwardGatherBackward.apply(x, d, scale, g.name, g.size, g.rank, None)
 
 
-@public_op("gather_forward_split_backward")
+def _gather_forward_split_backward_dtensor(
+    ax: MeshAxis, dim: int, grad_scale: GradScale, sizes: Sequence[int] | Tensor | None
+) -> Tensor:
+    """``Shard(dim) -> Replicate()``, the lengths known from the global shape (`sizes` is not read)."""
+    return gather_shards(ax, ax.dim(dim), scale=_check_grad_scale(ax.opname, grad_scale))
+
+
+@entry("gather_forward_split_backward", dtensor=_gather_forward_split_backward_dtensor)
 def gather_forward_split_backward(
     x: Tensor,
     group: GroupLike,
@@ -210,11 +214,8 @@ def gather_forward_split_backward(
         gather_forward_split_backward(x, None, 0)   # both: [1, 2, 3]
         # backward with grad [10., 20., 30.]: rank 0 x.grad = [10., 20.], rank 1 [30.]
     """
-    opname = "funcoll.gather_forward_split_backward"
-    ax = dtensor_input(opname, x, group)
-    if ax is not None:
-        return gather_shards(ax, ax.dim(dim), scale=_check_grad_scale(opname, grad_scale))
-    x, d, scale, g = _region_args(opname, x, group, dim, grad_scale)
+    opname, g = "funcoll.gather_forward_split_backward", cast(Group, group)
+    d, scale = _region_args(opname, x, dim, grad_scale)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x)

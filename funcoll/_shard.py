@@ -24,9 +24,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _prims
-from ._checks import IntLike, check_dim, check_equal, check_tensor, check_total, fresh
-from ._dtensor import chunk_sizes, contiguous_strides, dtensor_input, is_dtensor, is_placement, moves, show
-from ._faults import public_op
+from ._checks import IntLike, check_dim, check_equal, check_total, fresh
+from ._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_placement, moves, show
+from ._entry import Refusal, entry
 from ._group import Group, mesh_dim_index, resolve_group
 from ._header import check_agreement, exchange, host_sizes
 from ._wire import unwire, wire
@@ -101,7 +101,15 @@ def _placements(
     return out
 
 
-@public_op("from_ragged")
+def _refuse_a_dtensor(opname: str, arg: str, x: object) -> None:
+    raise TypeError(f"{opname}: `{arg}` is a DTensor already; from_ragged takes each rank's plain piece")
+
+
+@entry(
+    "from_ragged",
+    refuse=Refusal(raises=_refuse_a_dtensor),
+    resolve=False,  # `group` is a mesh dim, read with the placements
+)
 def from_ragged(
     x: Tensor,
     dim: int = 0,
@@ -156,9 +164,6 @@ def from_ragged(
         # rank 0: [[1], [2], [3]]    rank 1: [[4]]
     """
     opname = "funcoll.from_ragged"
-    x = check_tensor(opname, "x", x)
-    if is_dtensor(x):
-        raise TypeError(f"{opname}: `x` is a DTensor already; from_ragged takes each rank's plain piece")
     d = check_dim(opname, x, dim)
     mesh, m = _mesh_dim(opname, group)
     places = _placements(opname, mesh, m, d, placements)
@@ -189,7 +194,26 @@ def from_ragged(
     return y, sizes
 
 
-@public_op("to_ragged")
+def _to_ragged_dtensor(ax: MeshAxis, sizes: Sequence[int] | Tensor) -> Tensor:
+    """``Shard(d)`` -> this rank's ``sizes[rank]`` rows, a plain tensor."""
+    opname = ax.opname
+    p = ax.placement
+    if not is_placement(p, Shard):
+        raise ax.refuse("Shard(d), the dim whose rows are handed out")
+    d = p.dim
+    ax.expect_unsharded_elsewhere(d, "the Shard dim")
+    sz = host_sizes(opname, "sizes", sizes, ax.world)
+    check_total(opname, "sizes", sz, ax.x.shape[d], f"x.shape[{d}]")
+    local = ax.local(d)
+    g = Group(ax.name, ax.world, ax.rank)
+    local = check_agreement("to_ragged", local, g, d, sizes=sz)
+    if g.is_single:
+        return fresh(local)
+    send, recv = moves(ax.sizes(d), sz, g.rank)
+    return _move(local, d, send, recv, g)
+
+
+@entry("to_ragged", dtensor=_to_ragged_dtensor, resolve=False)  # a plain `x` is refused in the body
 def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | None = None) -> Tensor:
     """Give every rank ``sizes[rank]`` rows of a ``Shard(d)`` DTensor, in global order: from_ragged's inverse.
 
@@ -220,21 +244,4 @@ def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | No
         # rank 0: [[1]]    rank 1: [[2], [3], [4]]
     """
     opname = "funcoll.to_ragged"
-    x = check_tensor(opname, "x", x)
-    ax = dtensor_input(opname, x, group)
-    if ax is None:
-        raise TypeError(f"{opname}: `x` must be a DTensor (from funcoll.from_ragged or any sharded op)")
-    p = ax.placement
-    if not is_placement(p, Shard):
-        raise ax.refuse("Shard(d), the dim whose rows are handed out")
-    d = p.dim
-    ax.expect_unsharded_elsewhere(d, "the Shard dim")
-    sz = host_sizes(opname, "sizes", sizes, ax.world)
-    check_total(opname, "sizes", sz, ax.x.shape[d], f"x.shape[{d}]")
-    local = ax.local(d)
-    g = Group(ax.name, ax.world, ax.rank)
-    local = check_agreement("to_ragged", local, g, d, sizes=sz)
-    if g.is_single:
-        return fresh(local)
-    send, recv = moves(ax.sizes(d), sz, g.rank)
-    return _move(local, d, send, recv, g)
+    raise TypeError(f"{opname}: `x` must be a DTensor (from funcoll.from_ragged or any sharded op)")

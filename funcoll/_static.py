@@ -15,17 +15,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import _prims
-from ._checks import IntLike, check_dim, check_sizes, check_tensor
+from ._checks import IntLike, check_dim, check_sizes
 from ._config import checks_enabled
-from ._dtensor import refuse_dtensor
-from ._faults import public_op
-from ._group import Group, GroupLike, resolve_group
+from ._entry import Refusal, entry
+from ._group import Group, GroupLike
 from ._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
 from ._rows import ints_on, pack
 from ._spec import spec
@@ -270,7 +270,10 @@ def _read_header(rows: Tensor, length: int) -> Tensor:
     return value
 
 
-@public_op("gather_padded")
+_PADDED = "its result is padded to a static length"
+
+
+@entry("gather_padded", refuse=Refusal(_PADDED, "funcoll.all_gather(x, dim)"))
 def gather_padded(
     x: Tensor, length: Tensor | int, dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
@@ -331,13 +334,10 @@ def gather_padded(
         # both: y = [[1], [2], [5], [0], [0], [0]], sizes = [2, 1]
         y[: sizes.sum()]   # both: [[1], [2], [5]]   (gather's result; rank 1's padding rows never show)
     """
-    opname = "funcoll.gather_padded"
-    x = check_tensor(opname, "x", x)
-    refuse_dtensor(opname, x, "its result is padded to a static length", "funcoll.all_gather(x, dim)")
+    opname, g = "funcoll.gather_padded", cast(Group, group)
     d = check_dim(opname, x, dim)
     bound = x.shape[d]
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
-    g = resolve_group(opname, group)
     xm = wire(x).movedim(d, 0)
     blocks, stride, table, zero_row = _move(
         opname, x, d, xm, mine, bound, g,
@@ -349,7 +349,7 @@ def gather_padded(
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
-@public_op("all_to_all_padded")
+@entry("all_to_all_padded", refuse=Refusal(_PADDED, "funcoll.all_to_all"))
 def all_to_all_padded(
     x: Tensor, send_sizes: Tensor | Sequence[int], dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
@@ -408,11 +408,8 @@ def all_to_all_padded(
         # rank 0: y = [[1], [2], [4], [0]], recv_sizes = [2, 1]
         # rank 1: y = [[3], [5], [6], [0]], recv_sizes = [1, 2]
     """
-    opname = "funcoll.all_to_all_padded"
-    x = check_tensor(opname, "x", x)
-    refuse_dtensor(opname, x, "its result is padded to a static length", "funcoll.all_to_all")
+    opname, g = "funcoll.all_to_all_padded", cast(Group, group)
     d = check_dim(opname, x, dim)
-    g = resolve_group(opname, group)
     rows = x.shape[d]
     if isinstance(rows, int) and rows % g.size:
         raise ValueError(

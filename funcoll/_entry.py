@@ -1,0 +1,181 @@
+"""One entry for every public op: the steps each op takes before its own work, written once.
+
+An op declares its entry where it is defined::
+
+    @entry("all_gather", dtensor=_all_gather_dtensor, refuse=Refusal(
+        "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)",
+        when=lambda a: not a["tiled"]))
+    def all_gather(x, dim=0, *, group=None, tiled=True): ...
+
+and every call then goes through the same steps, in this order, before the body:
+
+1. the op's name is recorded, so that a failed collective names it (:func:`public_op`);
+2. each tensor argument (`tensors`, and each of `optional` that is not None) is a
+   ``torch.Tensor``, or a ``TypeError`` names the op and the argument;
+3. a DTensor `x` is refused (`refuse`: why no placement describes the result, and
+   what to use) or handed to the op's placement rule (`dtensor`), which gets the
+   :class:`~funcoll._dtensor.MeshAxis` of `x` and the op's other arguments by name,
+   and returns the op's result on the mesh;
+4. `group` is resolved once (:func:`~funcoll._group.resolve_group`) and the body
+   gets the resolved :class:`~funcoll._group.Group` in its place, so that what it
+   calls with it resolves nothing again.
+
+The body then checks its own arguments (dims, sizes, reduce ops: what differs from
+op to op) and issues its primitives. ``tests/test_specs.py`` fails when a public op
+has no entry, or takes a tensor `x` and says neither how a DTensor is refused nor
+what its placement rule is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._checks import check_tensor
+from ._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
+from ._faults import public_op
+from ._group import resolve_group
+
+__all__ = ["Refusal", "entry"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_EMPTY = inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a DTensor `x` is refused (no placement describes the result), and what to use instead.
+
+    `when`: refuse only when it holds of the op's arguments (by name, defaults filled
+    in); None: always, or whenever the op has no placement rule. `raises`: the op's
+    own refusal, called as ``raises(opname, arg, x)``, for one that is not about
+    placements (``from_ragged`` makes a DTensor, and takes none: a ``TypeError``).
+    """
+
+    why: str = ""
+    instead: str = ""
+    when: Callable[[Mapping[str, Any]], bool] | None = None
+    raises: Callable[[str, str, object], None] | None = None
+
+    def raise_for(self, opname: str, arg: str, x: object) -> None:
+        if self.raises is not None:
+            self.raises(opname, arg, x)
+        refuse_dtensor(opname, x, self.why, self.instead, arg)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What :func:`entry` knows of one op: read by tests/test_specs.py and the docs."""
+
+    name: str
+    tensors: tuple[str, ...]
+    optional: tuple[str, ...]
+    dtensor: Callable[..., Any] | None
+    refuse: Refusal | None
+    resolves_group: bool
+
+
+class _Arguments:
+    """Find an op's arguments by name in a call's ``(args, kwargs)``, without binding all of them."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        params = list(inspect.signature(fn).parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
+            raise TypeError(f"{fn.__name__}: an op's parameters are named (no *args, **kwargs or /)")
+        self.names = tuple(p.name for p in params)
+        self.position = {p.name: i for i, p in enumerate(params) if p.kind is p.POSITIONAL_OR_KEYWORD}
+        self.defaults = {p.name: p.default for p in params if p.default is not _EMPTY}
+        self.required = tuple(n for n in self.names if n not in self.defaults)
+
+    def malformed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether Python would refuse the call itself: too many positional arguments, one
+        given twice or unknown, a required one missing."""
+        if len(args) > len(self.position):
+            return True
+        for k in kwargs:
+            i = self.position.get(k)
+            if (i is not None and i < len(args)) or k not in self.names:
+                return True
+        for n in self.required:
+            i = self.position.get(n)
+            if (i is None or i >= len(args)) and n not in kwargs:
+                return True
+        return False
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+        i = self.position.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return kwargs.get(name, self.defaults.get(name))
+
+    def replace(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str, value: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        i = self.position.get(name)
+        if i is not None and i < len(args):
+            return (*args[:i], value, *args[i + 1 :]), kwargs
+        return args, {**kwargs, name: value}
+
+    def named(self, args: tuple[Any, ...], kwargs: dict[str, Any], leave: tuple[str, ...]) -> dict[str, Any]:
+        """Every argument by name, defaults filled in, but those in `leave`."""
+        return {n: self.get(args, kwargs, n) for n in self.names if n not in leave}
+
+
+def entry(
+    name: str,
+    *,
+    tensors: tuple[str, ...] = ("x",),
+    optional: tuple[str, ...] = (),
+    dtensor: Callable[..., Any] | None = None,
+    refuse: Refusal | None = None,
+    resolve: bool = True,
+) -> Callable[[_F], _F]:
+    """Decorate the public op `name` (``funcoll.<name>``) with the one entry every op takes.
+
+    `tensors`: the arguments that must be tensors, checked in this order; `optional`:
+    those checked when not None. `dtensor`: the placement rule, called as
+    ``dtensor(ax, **the other arguments)`` for a DTensor `x`; `refuse`: why a DTensor
+    `x` is refused. `resolve`: hand the body a resolved group (False for the ops
+    whose group is a mesh dim they read themselves).
+    """
+    opname = f"funcoll.{name}"
+
+    def decorate(fn: _F) -> _F:
+        arguments = _Arguments(fn)
+        for arg in (*tensors, *optional, *(("group",) if resolve else ())):
+            if arg not in arguments.names:
+                raise TypeError(f"{opname}: the entry names `{arg}`, which is not a parameter")
+        first = tensors[0] if tensors else None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if arguments.malformed(args, kwargs):
+                return fn(*args, **kwargs)  # Python's own TypeError for the call itself
+            for arg in tensors:
+                check_tensor(opname, arg, arguments.get(args, kwargs, arg))
+            for arg in optional:
+                value = arguments.get(args, kwargs, arg)
+                if value is not None:
+                    check_tensor(opname, arg, value)
+            x = arguments.get(args, kwargs, first) if first is not None else None
+            if first is not None and is_dtensor(x):
+                if refuse is not None and (
+                    dtensor is None
+                    or (refuse.when is not None and refuse.when(arguments.named(args, kwargs, ())))
+                ):
+                    refuse.raise_for(opname, first, x)
+                if dtensor is not None:
+                    ax: MeshAxis = dtensor_input(opname, x, arguments.get(args, kwargs, "group"))  # type: ignore[assignment]
+                    return dtensor(ax, **arguments.named(args, kwargs, (first, "group")))
+            if resolve:
+                g = resolve_group(opname, arguments.get(args, kwargs, "group"))
+                args, kwargs = arguments.replace(args, kwargs, "group", g)
+            return fn(*args, **kwargs)
+
+        call.funcoll_entry = Entry(name, tensors, optional, dtensor, refuse, resolve)  # type: ignore[attr-defined]
+        return public_op(name)(call)  # type: ignore[return-value]
+
+    return decorate
