@@ -7,9 +7,9 @@ from torch import Tensor
 
 from .. import _even, _prims
 from .._async import wait
-from .._checks import IntLike, check_tensor
+from .._checks import IntLike
 from .._config import checks_enabled
-from .._faults import public_op
+from .._entry import Refusal, entry
 from .._group import Group, GroupLike, resolve_group
 from .._header import host_ints
 from ._autograd import Gather, take, weighted_sum
@@ -42,10 +42,9 @@ def _check_dispatch_args(
     counts: object = None,
     topk_weights: object = None,
 ) -> tuple[Tensor, Tensor]:
-    """Every argument check of :func:`dispatch`, before any communication."""
+    """Every argument check of :func:`dispatch` after its entry's, before any communication."""
     opname = "funcoll.moe.dispatch"
-    x = check_tensor(opname, "x", x)
-    topk_idx = check_tensor(opname, "topk_idx", topk_idx)
+    assert isinstance(x, Tensor) and isinstance(topk_idx, Tensor)  # the entry checked them
     if x.dim() != 2:
         raise ValueError(f"{opname}: `x` must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
     if topk_idx.dim() != 2:
@@ -94,8 +93,7 @@ def _check_dispatch_args(
         raise TypeError(f"{opname}: `align` must be an int, got {type(align).__name__}")
     if align < 1:  # type: ignore[operator]
         raise ValueError(f"{opname}: `align`={align} must be >= 1")
-    if counts is not None:
-        counts = check_tensor(opname, "counts", counts)
+    if isinstance(counts, Tensor):  # the entry checked that it is one, if given
         if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
             raise TypeError(f"{opname}: `counts` must hold integer pair counts, got dtype {counts.dtype}")
         if tuple(counts.shape) != (num_experts,):
@@ -103,8 +101,7 @@ def _check_dispatch_args(
                 f"{opname}: `counts` has shape {tuple(counts.shape)}, expected (num_experts,) = ({num_experts},): "
                 f"this rank's (token, choice) pairs routed to each expert"
             )
-    if topk_weights is not None:
-        topk_weights = check_tensor(opname, "topk_weights", topk_weights)
+    if isinstance(topk_weights, Tensor):
         if tuple(topk_weights.shape) != tuple(topk_idx.shape) and all(
             isinstance(n, int) for n in (*topk_weights.shape, *topk_idx.shape)
         ):
@@ -129,14 +126,14 @@ def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Gr
     return _prims.all_to_all_p(rows, recv, send, g.name)
 
 
-def _exchange_blocks(t: Tensor, group: GroupLike, g: Group) -> Tensor:
+def _exchange_blocks(t: Tensor, g: Group) -> Tensor:
     """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
 
     One rank: `t` itself. Dispatch and combine pass only their own intermediates,
     which need not be copied into a new tensor, as the public op does (one copy of
     the send buffer each way in a one-rank group).
     """
-    return t if g.is_single else _even.all_to_all(t, group, 0, 0)
+    return t if g.is_single else _even.all_to_all(t, g, 0, 0)
 
 
 Layout = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # source, counts, offsets, ends, back_index
@@ -149,7 +146,6 @@ def _dropless_table(
     num_experts: int,
     align: int,
     g: Group,
-    group: GroupLike,
 ) -> tuple[Tensor, Tensor, Tensor, IntLike, IntLike, tuple[Tensor, list[IntLike]]]:
     """Dropless mode's counts exchange and its one host read, before the path is chosen.
 
@@ -169,7 +165,7 @@ def _dropless_table(
     # The capacity is filled in on the device: a tensor made from the host int would
     # be a copy the host waits for on CUDA, a second sync beside the one below.
     row = torch.cat([given, torch.full_like(given[:1], capacity)])
-    table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=group, tiled=False)
+    table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=g, tiled=False)
     # While the table travels: the pairs by expert (token-major within one), the order
     # both paths send them in. The static path is taken only when nothing drops, so
     # it sends every pair, as exact mode does.
@@ -286,7 +282,7 @@ def _exact_receive(
 
 
 def _static_receive(
-    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, group: GroupLike, g: Group
+    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, g: Group
 ) -> tuple[Tensor, Layout, dict[str, object]]:
     """Static mode's even all_to_all of the blocks, laid out by expert: (out, layout, handle extras)."""
     world = g.size
@@ -294,7 +290,7 @@ def _static_receive(
     rows = -(-(world * cap + e_local * (align - 1)) // align) * align
     # One even all_to_all of the blocks: the counts are known from the counts exchange,
     # so nothing else travels (no header, no pack; the blocks stay where they land).
-    recv = _exchange_blocks(send_rows, group, g)
+    recv = _exchange_blocks(send_rows, g)
     source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
     # The rows combine sends back, as the blocks came: block row q carries its layout
     # row, if it holds data; otherwise an index past y's rows, which combine's gather
@@ -312,7 +308,111 @@ def _static_receive(
     return out, (source, counts, offsets, ends, back_index), {"_recv_table": recv_counts}
 
 
-@public_op("moe.dispatch")
+def _expert_ids(
+    topk_idx: Tensor, counts: Tensor | None, num_experts: int, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Each pair's expert id (pair f = t * k + j) and the caller's counts, checked on the device."""
+    opname = "funcoll.moe.dispatch"
+    expert = topk_idx.to(device=device, dtype=torch.int64).reshape(-1)
+    torch._assert_async(  # floor division gives 0 exactly for the ids in [0, E): one pass, not two compares
+        (expert // num_experts == 0).all(),
+        f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
+    )
+    given = None if counts is None else counts.to(device=device, dtype=torch.int64)  # the caller's
+    if given is not None and checks_enabled():  # the caller's counts route the data: wrong ones misroute it
+        torch._assert_async(
+            (given == count(expert, num_experts)).all(),
+            f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
+        )
+    return expert, given
+
+
+def _route(
+    x: Tensor,
+    expert: Tensor,
+    given: Tensor | None,
+    k: int,
+    num_experts: int,
+    mode: str,
+    capacity: int | None,
+    align: int,
+    g: Group,
+    group: GroupLike,
+    topk_weights: Tensor | None,
+) -> tuple[Tensor, MoEHandle]:
+    """Dispatch's steps in the order they are issued: dropless's table, the counts
+    exchange, the send side laid out while the counts travel, the rows' exchange
+    (``recv``) and its handle (`group` as the caller passed it, `topk_weights` kept
+    for combine)."""
+    world = g.size
+    e_local = num_experts // world
+    tokens = x.shape[0]
+    n_pairs = expert.shape[0]
+    known: tuple[Tensor, list[IntLike]] | None = None  # dropless: the counts exchanged and the ints read
+    group_needed = None
+    order = None  # the pairs in the order they are sent: by expert, so by destination rank
+    if mode == "dropless":
+        given, order, per_dest, group_needed, capacity, known = _dropless_table(
+            expert, given, capacity, num_experts, align, g
+        )
+        mode = "static" if group_needed <= capacity else "exact"
+    keep = wanted = None  # static mode: whether each pair is sent (None: every pair is), and to where
+    if mode == "static":
+        cap = n_pairs if capacity is None else capacity
+        keep, wanted = _kept(expert, given, cap, e_local, world, dropless=known is not None)
+    if keep is None:
+        per_expert = count(expert, num_experts) if given is None else given
+    else:
+        per_expert = count(expert, num_experts, keep.to(torch.int64))
+    if known is None:
+        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
+        # source. Issued before the send side is laid out, which runs while they travel.
+        recv_counts = _exchange_blocks(per_expert.view(world, e_local), g)
+    else:  # dropless: exchanged already (static mode's path: every pair fits)
+        recv_counts = known[0]
+    if order is None:  # by expert, the dropped pairs (key E) after the kept ones
+        order = torch.sort(
+            expert if keep is None else torch.where(keep, expert, num_experts), stable=True
+        ).indices
+    if mode == "exact":
+        row_of = inverse(order)
+        send_index = order // k
+        send_rows = Gather.apply(x, send_index, False, row_of.view(tokens, k), None)
+    if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
+        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
+    if mode == "static":
+        sent = per_dest if keep is None else wanted.clamp(max=cap)
+        send_rows, row_of, send_index, pair_of_slot, free = _static_send(x, order, keep, sent, cap, k)
+        if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
+            per_dest = wanted
+    # Read at once by the layout's small ops (and exact mode's host read): waited here,
+    # so that they run on a plain tensor, not each through a pending result's dispatch.
+    recv_counts = wait(recv_counts)
+    if mode == "exact":
+        ints = None if known is None else known[1]  # dropless, overflowed: read with the need
+        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g)
+    else:
+        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, g)
+        extra.update(_keep=keep, _free=free)
+    source, counts, offsets, ends, back_index = layout
+    handle = MoEHandle(
+        mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
+        align=align, group=group, counts=counts, offsets=offsets, ends=ends,
+        topk_weights=topk_weights,
+        send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
+        send_pairs=order if mode == "exact" else pair_of_slot,
+        group_needed=group_needed, _per_dest=per_dest, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return out, handle
+
+
+@entry(
+    "moe.dispatch",
+    tensors=("x", "topk_idx"),
+    optional=("counts", "topk_weights"),
+    refuse=Refusal("its rows go to the ranks of their experts"),
+    resolve=False,  # the handle keeps `group` as passed (combine resolves it once more)
+)
 def dispatch(
     x: Tensor,
     topk_idx: Tensor,
@@ -399,87 +499,26 @@ def dispatch(
     policy = mode if isinstance(mode, Dropless) else None
     if policy is not None:
         mode, capacity = policy._mode(capacity)
-    g = resolve_group(opname, group)
+    g = resolve_group(opname, group)  # once: what dispatch issues runs on `g`
     x, topk_idx = _check_dispatch_args(
         x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
     )
-    world = g.size
-    e_local = num_experts // world
-    tokens, k = x.shape[0], topk_idx.shape[1]
-    device = x.device
-    expert = topk_idx.to(device=device, dtype=torch.int64).reshape(-1)  # pair f = t * k + j
-    torch._assert_async(  # floor division gives 0 exactly for the ids in [0, E): one pass, not two compares
-        (expert // num_experts == 0).all(),
-        f"{opname}: `topk_idx` holds an expert id outside [0, num_experts) = [0, {num_experts})",
+    expert, given = _expert_ids(topk_idx, counts, num_experts, x.device)
+    out, handle = _route(
+        x, expert, given, topk_idx.shape[1], num_experts, mode, capacity, align, g, group, topk_weights
     )
-    given = None if counts is None else counts.to(device=device, dtype=torch.int64)  # the caller's
-    if given is not None and checks_enabled():  # the caller's counts route the data: wrong ones misroute it
-        torch._assert_async(
-            (given == count(expert, num_experts)).all(),
-            f"{opname}: `counts` are not the counts of `topk_idx`'s expert ids",
-        )
-    n_pairs = expert.shape[0]
-    known: tuple[Tensor, list[IntLike]] | None = None  # dropless: the counts exchanged and the ints read
-    group_needed = None
-    order = None  # the pairs in the order they are sent: by expert, so by destination rank
-    if mode == "dropless":
-        given, order, per_dest, group_needed, capacity, known = _dropless_table(
-            expert, given, capacity, num_experts, align, g, group
-        )
-        mode = "static" if group_needed <= capacity else "exact"
-    keep = wanted = None  # static mode: whether each pair is sent (None: every pair is), and to where
-    if mode == "static":
-        cap = n_pairs if capacity is None else capacity
-        keep, wanted = _kept(expert, given, cap, e_local, world, dropless=known is not None)
-    if keep is None:
-        per_expert = count(expert, num_experts) if given is None else given
-    else:
-        per_expert = count(expert, num_experts, keep.to(torch.int64))
-    if known is None:
-        # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
-        # source. Issued before the send side is laid out, which runs while they travel.
-        recv_counts = _exchange_blocks(per_expert.view(world, e_local), group, g)
-    else:  # dropless: exchanged already (static mode's path: every pair fits)
-        recv_counts = known[0]
-    if order is None:  # by expert, the dropped pairs (key E) after the kept ones
-        order = torch.sort(
-            expert if keep is None else torch.where(keep, expert, num_experts), stable=True
-        ).indices
-    if mode == "exact":
-        row_of = inverse(order)
-        send_index = order // k
-        send_rows = Gather.apply(x, send_index, False, row_of.view(tokens, k), None)
-    if keep is None and known is None:  # every pair is sent (dropless summed them beside its table)
-        per_dest = per_expert.view(world, e_local).sum(1)  # the rows sent to each rank
-    if mode == "static":
-        sent = per_dest if keep is None else wanted.clamp(max=cap)
-        send_rows, row_of, send_index, pair_of_slot, free = _static_send(x, order, keep, sent, cap, k)
-        if keep is not None:  # the pairs bound to each rank before the capacity, which needed counts
-            per_dest = wanted
-    # Read at once by the layout's small ops (and exact mode's host read): waited here,
-    # so that they run on a plain tensor, not each through a pending result's dispatch.
-    recv_counts = wait(recv_counts)
-    if mode == "exact":
-        ints = None if known is None else known[1]  # dropless, overflowed: read with the need
-        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g)
-    else:
-        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, group, g)
-        extra.update(_keep=keep, _free=free)
-    source, counts, offsets, ends, back_index = layout
-    handle = MoEHandle(
-        mode=mode, tokens=tokens, topk=k, num_experts=num_experts, capacity=None if mode == "exact" else cap,
-        align=align, group=group, counts=counts, offsets=offsets, ends=ends,
-        topk_weights=topk_weights,
-        send_index=send_index, recv_source=source, back_index=back_index, row_of=row_of,
-        send_pairs=order if mode == "exact" else pair_of_slot,
-        group_needed=group_needed, _per_dest=per_dest, **extra,  # type: ignore[arg-type]
-    )  # fmt: skip
     if policy is not None and mode == "static":
         policy._record(handle.needed)
     return out, handle
 
 
-@public_op("moe.combine")
+@entry(
+    "moe.combine",
+    tensors=("y",),
+    optional=("topk_weights",),
+    refuse=Refusal("its rows are in the layout of dispatch's plain `recv`"),
+    resolve=False,  # the group is the handle's
+)
 def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) -> Tensor:
     """Bring the experts' outputs back to their tokens and sum each token's k of them, weighted.
 
@@ -509,7 +548,6 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         # rank 0: [[0.5], [2.0], [6.0]]   rank 1: [[4.0], [5.0]]
     """
     opname = "funcoll.moe.combine"
-    y = check_tensor(opname, "y", y)
     if not isinstance(handle, MoEHandle):
         raise TypeError(
             f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
@@ -521,7 +559,6 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
                 f"to dispatch or to combine"
             )
         topk_weights = handle.topk_weights
-    topk_weights = check_tensor(opname, "topk_weights", topk_weights)
     if y.dim() != 2:
         raise ValueError(f"{opname}: `y` must be 2-D (rows, hidden), got shape {tuple(y.shape)}")
     rows = handle.recv_source.shape[0]
@@ -554,12 +591,12 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
     else:
         spare = block if rows > 0 else True
     back = Gather.apply(y, handle.back_index, spare, handle.recv_source, data)
+    g = resolve_group(opname, handle.group)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
-        g = resolve_group(opname, handle.group)
         returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
     else:  # the blocks go back to their senders as they came, one even all_to_all
-        returned = _exchange_blocks(back, handle.group, resolve_group(opname, handle.group))
+        returned = _exchange_blocks(back, g)
     row_of = handle.row_of.view(handle.tokens, handle.topk)
     n_pairs = handle.tokens * handle.topk
     skip: int | None = None
