@@ -34,6 +34,7 @@ from _torchrun import ROOT, torchrun
 from torch import Tensor
 
 import funcoll
+import funcoll.moe
 from funcoll._dtensor import chunk_sizes
 
 WORLDS = (1, 2, 3, 4)
@@ -346,6 +347,8 @@ def bad_calls(world: int) -> list[BadCall]:
                 "from_ragged", ("`group` must be a DeviceMesh",)),
         BadCall("from_ragged-placements", lambda m, m2: f.from_ragged(torch.zeros(2, 1), 0, group=m, placements=[placement("S1")]),
                 ValueError, "from_ragged", ("`placements`[0] is Shard(1)",)),
+        BadCall("moe.dispatch-dtensor", lambda m, m2: funcoll.moe.dispatch(_dt(m, (4, 2), "S0"), torch.zeros(1, 1, dtype=torch.int64), world),
+                ValueError, "moe.dispatch", ("is a DTensor", "x.to_local()")),
     ]  # fmt: skip
     if world == 3:
         calls.append(BadCall("ppermute-uneven", lambda m, m2: f.ppermute(_dt(m, (4, 2), "S0"), [(0, 0)]),

@@ -113,3 +113,52 @@ def test_the_reading_finds_the_known_imports() -> None:
     assert "funcoll._header" in graph["funcoll._prims"]
     assert "check_collective" in graph["funcoll._prims"]["funcoll._header"]
     assert "funcoll._even" in graph["funcoll.moe._dispatch"]
+
+
+# The calls of the entry's steps allowed outside funcoll/_entry.py, each with why: the
+# group queries themselves, DTensor's own mesh dims, and the frontends whose group is
+# not an op's argument as passed (a mesh dim read with placements, a handle's group,
+# a policy's, compat's default world, shard_map's mesh axes).
+ENTRY_STEPS = ("check_tensor", "resolve_group", "dtensor_input", "refuse_dtensor")
+ENTRY_STEPS_ELSEWHERE = {
+    ("funcoll._group", "resolve_group"): 2,  # axis_index, axis_size: the group queries
+    ("funcoll._dtensor", "resolve_group"): 2,  # a DTensor's mesh dim to its group
+    ("funcoll._shard", "resolve_group"): 1,  # from_ragged: the mesh dim, read with the placements
+    ("funcoll.moe._dispatch", "resolve_group"): 2,  # dispatch once (the handle keeps the group), combine once
+    ("funcoll.moe._dropless", "resolve_group"): 1,  # Dropless: a bad group refused at construction
+    ("funcoll.compat", "resolve_group"): 2,  # the seeds' default world; all_gather_into_tensor's out buffer
+    ("funcoll.lax", "resolve_group"): 1,  # shard_map's mesh axes
+    ("funcoll._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
+}
+
+
+def test_the_entry_steps_are_written_once() -> None:
+    """Tensor checks, group resolution and DTensor in/refusal: in the ops' entry, not by hand in each op."""
+    found: dict[tuple[str, str], int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _module(path)
+        if me == "funcoll._entry":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                if name in ENTRY_STEPS:
+                    found[me, name] = found.get((me, name), 0) + 1
+    assert found == ENTRY_STEPS_ELSEWHERE, (
+        "calls of an entry step outside funcoll/_entry.py (declare it in the op's @entry instead):\n"
+        + "\n".join(f"{m}: {n} x{c}" for (m, n), c in sorted(found.items()))
+    )
+
+
+def test_no_function_is_longer_than_120_lines() -> None:
+    """A function, its decorators and docstring included, fits in 120 lines: split a longer one by step."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or first) - first + 1
+                if length > 120:
+                    long.append(f"{_module(path)}.{node.name}: {length} lines")
+    assert not long, "\n".join(long)

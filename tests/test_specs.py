@@ -82,6 +82,41 @@ def test_every_communicating_op_names_itself_in_collective_failures(spec: OpSpec
     )
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [s for s in SPECS if s.collectives is not None and s.family != "Groups and sizes"],
+    ids=lambda s: s.name,
+)
+def test_every_communicating_op_enters_through_its_declared_entry(spec: OpSpec) -> None:
+    """``@entry`` (funcoll/_entry.py): the op's tensor checks, DTensor rule and group, declared once.
+
+    An op says what a DTensor `x` does: its placement rule, or why it is refused;
+    and the DTensor table of the docs (the spec's `dtensor`) names exactly the ops
+    whose entry has a rule (from_ragged makes a DTensor from plain pieces: it
+    refuses one as input).
+    """
+    entry = getattr(getattr(funcoll, spec.name), "funcoll_entry", None)
+    assert entry is not None, f"funcoll.{spec.name} is not decorated with @entry (funcoll/_entry.py)"
+    assert entry.name == spec.name
+    assert entry.dtensor is not None or entry.refuse is not None, (
+        f"funcoll.{spec.name}: its @entry says neither how a DTensor `x` is refused nor its placement rule"
+    )
+    takes_dtensor = spec.dtensor is not None and spec.name != "from_ragged"
+    assert (entry.dtensor is not None) == takes_dtensor, (
+        f"funcoll.{spec.name}: the spec's DTensor placements ({spec.dtensor}) and the entry's rule "
+        f"({entry.dtensor}) disagree"
+    )
+
+
+def test_every_moe_op_enters_through_its_declared_entry() -> None:
+    from funcoll import moe
+
+    for name in ("dispatch", "combine"):
+        entry = getattr(getattr(moe, name), "funcoll_entry", None)
+        assert entry is not None and entry.name == f"moe.{name}", name
+        assert entry.refuse is not None, name
+
+
 def test_every_compat_helper_names_itself_in_collective_failures() -> None:
     from funcoll import compat
 
