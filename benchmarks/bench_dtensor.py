@@ -39,7 +39,7 @@ import torch.distributed as dist
 from _timing import fenced_median  # benchmarks/, beside this script
 
 import funcoll
-from funcoll._dtensor import chunk_sizes, moves
+from funcoll._base._dtensor import chunk_sizes, moves
 from funcoll.testing import run_ranks
 
 ROW = 1024

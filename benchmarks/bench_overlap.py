@@ -41,7 +41,7 @@ funcol's step of the same collective kind in the same mode.
 
 On a gloo group with torch's two worker threads (the ranks' group by default)
 funcoll keeps one collective in flight at a time: a result is waited at its
-first read or before funcoll's next collective (``funcoll._async.defers`` says
+first read or before funcoll's next collective (``funcoll._collective._async.defers`` says
 why), so a step's one collective overlaps its work as on NCCL. ``--defer-all``
 sets ``FUNCOLL_GLOO_DEFER=1`` in every rank: collectives then stay in flight
 together, as funcol's. ``--gloo-threads 1`` builds the group with one thread
@@ -195,7 +195,7 @@ def _matmul_side(seconds: float) -> torch.Tensor:
 def _bench(rank: int, world: int, mib: float, rounds: int, iters: int, modes: list[str],
            names: list[str] | None, forms: tuple[str, ...] = FORMS, defer_all: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     # funcoll's default on gloo keeps one collective in flight at a time; with the
-    # variable set, they stay in flight together (funcoll._async.defers says why).
+    # variable set, they stay in flight together (funcoll._collective._async.defers says why).
     if defer_all:
         os.environ["FUNCOLL_GLOO_DEFER"] = "1"  # this rank's process only
     # Every variant's step is the same code object with other defaults: one graph each.

@@ -6,7 +6,7 @@ Run (needs a CUDA GPU): ``python benchmarks/bench_overlap_cuda.py [--mib 1024] [
 One process and a one-rank NCCL group, the most one GPU allows (NCCL refuses two
 ranks on one device). funcoll's ops compute a one-rank group's result locally and
 issue no collective there, so the funcoll side of each row is the primitive
-its ops issue through (``funcoll._prims``: ``all_gather_p``, ``reduce_scatter_p``,
+its ops issue through (``funcoll._collective._prims``: ``all_gather_p``, ``reduce_scatter_p``,
 ``all_to_all_p``), on the same group, with funcoll's eager deferral; the funcol
 side is torch's wrapper of the same ``_c10d_functional`` op. NCCL runs the
 one-rank collective (a device copy of the payload) on its own stream, as it runs
@@ -49,7 +49,7 @@ from _timing import gpu_median_ms, init_one_rank_group, sync_gpu  # benchmarks/,
 from bench_overlap import _AG, _RS, MODES
 
 import funcoll
-from funcoll import _prims
+from funcoll._collective import _prims
 
 CUDA = torch.cuda.is_available()
 SIDE = 4096 if CUDA else 128  # the work's matmuls: SIDE x SIDE x SIDE in bf16

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from funcoll import _rows
+from funcoll._collective import _rows
 
 ROW = 1024
 

@@ -55,7 +55,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 import funcoll
-from funcoll import _spec, compat
+from funcoll import compat
+from funcoll._ops import _spec
 from funcoll.testing import Collective, RankError, graph_collectives, in_flight, run_ranks, settled
 
 __all__ = [
@@ -212,7 +213,7 @@ class OpCase:
     min_world: int = 1
     takes_group: bool = True  # call(*inputs, group=...) works; False for the seed helpers without one
     op: str = ""  # the public op whose spec says its collectives; the id's first word when empty
-    variant: str = ""  # which of the op's argument sets (funcoll._spec: "sizes", a strategy, "dst", "given")
+    variant: str = ""  # which argument set (funcoll._ops._spec: "sizes", a strategy, "dst", "given")
     at_scale: bool = False  # traced on a fake group of 64 ranks, 1024 without a size exchange (test_fake_pg)
 
     @property
@@ -1082,7 +1083,7 @@ def forbidden_calls(calls: list[dict[str, Any]]) -> list[str]:
 
 # ------------------------------------------------------------------ expected collectives
 # The collectives of each case at `world` ranks, (forward, backward), are what the
-# op's spec declares (funcoll/_spec.py: its `collectives`); backward None when no
+# op's spec declares (funcoll/_ops/_spec.py: its `collectives`); backward None when no
 # input requires grad.
 AG, RS, AR, A2A, BC = _spec.AG, _spec.RS, _spec.AR, _spec.A2A, _spec.BC
 WAIT = "wait_tensor"

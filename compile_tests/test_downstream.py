@@ -2,7 +2,7 @@
 
 What the user gets inside ``torch.compile(fullgraph=True)``: the length of a ragged
 result along its ragged dim is a sum of **unbacked SymInts**, one per rank. The
-size exchange (``funcoll/_header.py``) all-gathers one header row per rank and
+size exchange (``funcoll/_collective/_header.py``) all-gathers one header row per rank and
 reads the sizes on the host inside the opaque custom op ``funcoll::check_header``;
 its ``.tolist()`` turns them into unbacked symbols ``u0, u1, ...`` (dynamo has no
 example value to specialize on, and none is ever guarded). funcoll adds these

@@ -17,7 +17,7 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 
 import funcoll
-from funcoll._compile import _mark_unbacked_takes_min
+from funcoll._base._compile import _mark_unbacked_takes_min
 
 LENGTHS = (3, 5, 1, 7, 2)
 

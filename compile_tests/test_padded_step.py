@@ -1,6 +1,6 @@
 """The static-shape ragged ops in a compiled training step: one graph whatever the sizes, no host sync.
 
-On 3 gloo ranks (an odd world; 2 ranks ran the same graphs, for the suite's time), one step runs both ops of ``funcoll/_static.py``:
+On 3 gloo ranks (an odd world; 2 ranks ran the same graphs, for the suite's time), one step runs both ops of ``funcoll/_ops/_static.py``:
 ``gather_padded`` of a bound-padded tensor (variable-length sequences) and
 ``all_to_all_padded`` of capacity blocks (an MoE dispatch), each followed by a softmax
 and a weighted loss, plus the cumsum of the returned sizes. It is compiled with

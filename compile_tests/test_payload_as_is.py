@@ -1,7 +1,7 @@
 """A compiled funcoll collective takes its payload as it is, as funcol's does.
 
 Each collective of a compiled graph runs under a group name of its own
-(:func:`funcoll._group.wire_name`), so no compiler merges two of them, and its
+(:func:`funcoll._base._group.wire_name`), so no compiler merges two of them, and its
 input is the tensor the program made: no copy in aot_eager's graphs, no kernel
 between the payload's producer and the collective in inductor's code. Three
 producers, as in training code: a graph input (FSDP's parameters), a matmul

@@ -57,13 +57,16 @@ UNEXTRACTABLE: dict[tuple[str, str], str] = {
 # (module, function) -> why its errors are internal invariants, not user-facing.
 EXCLUDED: dict[tuple[str, str], str] = {
     # OpSpec.plan is asked only by funcoll's tests and docs tooling, about ops that declare collectives.
-    ("funcoll/_spec.py", "plan"): "internal: the op spec table queried for an op without collectives",
+    ("funcoll/_ops/_spec.py", "plan"): "internal: the op spec table queried for an op without collectives",
     # @entry's checks of its own declaration: they fail at import, on a wrongly written op.
     (
-        "funcoll/_entry.py",
+        "funcoll/_ops/_entry.py",
         "__init__",
     ): "internal: an op's @entry given *args, **kwargs or a positional-only parameter",
-    ("funcoll/_entry.py", "decorate"): "internal: an op's @entry naming an argument the op does not have",
+    (
+        "funcoll/_ops/_entry.py",
+        "decorate",
+    ): "internal: an op's @entry naming an argument the op does not have",
     # The demo's own self-check: every parameter reaches the loss by construction.
     (
         "funcoll/_demo_train.py",
@@ -78,7 +81,7 @@ EXCLUDED: dict[tuple[str, str], str] = {
 class Site:
     """One message template and where it is raised."""
 
-    path: str  # funcoll/_checks.py
+    path: str  # funcoll/_base/_checks.py
     line: int
     func: str  # the enclosing function (for an expanded helper: the caller)
     kind: str  # ValueError, TypeError, ..., "device assert", "compiled check", "backend's type"

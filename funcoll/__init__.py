@@ -7,10 +7,11 @@ the ``torch.ops._c10d_functional`` ops.
 
 from . import lax as lax  # the submodule: funcoll.lax.psum after `import funcoll`
 from . import moe as moe  # the submodule: funcoll.moe.dispatch after `import funcoll`
-from ._async import wait
-from ._compile import mark_ragged
-from ._config import checks_enabled, set_checks
-from ._even import (
+from ._base._compile import mark_ragged
+from ._base._config import checks_enabled, set_checks
+from ._base._group import Group, GroupLike, axis_index, axis_size
+from ._collective._async import wait
+from ._ops._even import (
     all_gather,
     all_gather_into_tensor,
     all_reduce,
@@ -21,12 +22,11 @@ from ._even import (
     reduce_scatter,
     split_sizes,
 )
-from ._group import Group, GroupLike, axis_index, axis_size
-from ._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, scatter
-from ._region import gather_forward_split_backward, split_forward_gather_backward
-from ._shard import from_ragged, to_ragged
+from ._ops._ragged import all_gather_list, all_gather_ragged, all_to_all_v, gather, scatter
+from ._ops._region import gather_forward_split_backward, split_forward_gather_backward
+from ._ops._shard import from_ragged, to_ragged
+from ._ops._static import all_to_all_padded, gather_padded
 from ._shard_map import P, shard_map
-from ._static import all_to_all_padded, gather_padded
 
 __version__ = "0.1.0"
 

@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._dtensor import contiguous_strides, is_placement
-from ._group import GroupLike
-from ._sym import prod
+from ._base._dtensor import contiguous_strides, is_placement
+from ._base._group import GroupLike
+from ._base._sym import prod
 
 __all__ = [
     "Axes",

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _even, _ragged, _region
-from ._faults import public_op
-from ._group import GroupLike, resolve_group
+from ._base._group import GroupLike, resolve_group
+from ._collective._faults import public_op
+from ._ops import _even, _ragged, _region
 
 __all__ = [
     "all_gather",

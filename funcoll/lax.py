@@ -42,12 +42,12 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree
 
-from . import _even
-from ._checks import check_dim
-from ._dtensor import is_dtensor
-from ._group import resolve_group
+from ._base._checks import check_dim
+from ._base._dtensor import is_dtensor
+from ._base._group import resolve_group
+from ._base._sym import prod
+from ._ops import _even
 from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, resolve_axes
-from ._sym import prod
 
 __all__ = [
     "all_gather",

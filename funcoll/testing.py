@@ -45,7 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _async, _group
+from ._base import _group
+from ._collective import _async
 
 __all__ = [
     "Collective",

@@ -1,4 +1,4 @@
-"""all_to_all with per-rank sizes (funcoll/_even.py), and per-rank scalars gathered as a stack.
+"""all_to_all with per-rank sizes (funcoll/_ops/_even.py), and per-rank scalars gathered as a stack.
 
 Ulysses attention with a head count the world does not divide, both ways, and any
 split of the scatter dim: rank i holds ``gather_sizes[i]`` along the gather dim,

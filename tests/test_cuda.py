@@ -14,11 +14,11 @@ Skipped without a CUDA GPU.
   ``(y_r * weight_r).sum()``). Eager and compiled (``fullgraph=True``, inductor,
   which generates Triton for the GPU), forward and backward. On CUDA tensors the
   ragged gathers' pad and cut take funcoll's Triton row kernels
-  (``funcoll._rows``), so these values and gradients are the kernels' on the GPU.
+  (``funcoll._collective._rows``), so these values and gradients are the kernels' on the GPU.
   Rank 1 of 2 holds no rows of the ragged inputs. The MoE layer runs in float64
   and in bfloat16 (whose weights' gradient CUDA's embedding_bag has no kernel for).
 - ``test_wait_holds_the_stream_not_the_host``: one NCCL rank, on any machine with
-  a GPU. A collective's eager result is a :class:`funcoll._async.Pending`; its
+  a GPU. A collective's eager result is a :class:`funcoll._collective._async.Pending`; its
   wait at first use must make the current stream wait for the collective
   (``wait_tensor`` on NCCL), not block the host. A kernel that spins for about
   half a second is queued first, so the collective (NCCL's stream waits for its
@@ -268,7 +268,7 @@ SPIN_CYCLES = 1 << 30  # about half a second on a GPU clocked near 2 GHz
 def _wait_on_nccl(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from funcoll import _async, _prims
+    from funcoll._collective import _async, _prims
 
     torch.cuda.set_device(0)
     name = dist.group.WORLD.group_name

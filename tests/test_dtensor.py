@@ -1,4 +1,4 @@
-"""DTensor in, DTensor out (funcoll/_dtensor.py, funcoll/_shard.py) on real gloo ranks.
+"""DTensor in, DTensor out (funcoll/_base/_dtensor.py, funcoll/_ops/_shard.py) on real gloo ranks.
 
 Every case builds a DTensor of a global tensor X (``distribute_tensor``), or of per-rank
 partials P_j (``Partial``: X is their sum, average or max), calls one funcoll op on it and
@@ -35,7 +35,7 @@ from torch import Tensor
 
 import funcoll
 import funcoll.moe
-from funcoll._dtensor import chunk_sizes
+from funcoll._base._dtensor import chunk_sizes
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 180.0
@@ -586,7 +586,7 @@ def test_docs_placement_table_is_the_specs() -> None:
     """docs/dtensor.md lists every op's (takes, gives) as its spec says, and no other op."""
     import re
 
-    from funcoll._spec import SPECS
+    from funcoll._ops._spec import SPECS
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "dtensor.md").read_text()
     rows = dict(

@@ -1,4 +1,4 @@
-"""``@entry`` (funcoll/_entry.py), the one entry of every op, in one process (no group: world 1).
+"""``@entry`` (funcoll/_ops/_entry.py), the one entry of every op, in one process (no group: world 1).
 
 The ops' results through the entry are checked against references at 1-4 ranks by
 their own modules; here, what the entry itself promises: a call the op's signature
@@ -14,7 +14,7 @@ from torch import Tensor
 
 import funcoll
 import funcoll.moe
-from funcoll._entry import Refusal, entry
+from funcoll._ops._entry import Refusal, entry
 
 
 def _message(call) -> str:

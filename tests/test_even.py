@@ -1,4 +1,4 @@
-"""Multi-rank correctness of the even collectives (funcoll/_even.py) on real gloo ranks.
+"""Multi-rank correctness of the even collectives (funcoll/_ops/_even.py) on real gloo ranks.
 
 Every rank rebuilds its input from a seed keyed by (case, rank), so the parent process
 can rebuild every rank's input and compute the global result in one process with plain

@@ -1,4 +1,4 @@
-"""The `group=` canonicaliser (funcoll/_group.py): every form of group, on real gloo ranks.
+"""The `group=` canonicaliser (funcoll/_base/_group.py): every form of group, on real gloo ranks.
 
 Forms: None, ``dist.group.WORLD``, a subgroup from ``dist.new_group([0, 2])``, a 1-D
 DeviceMesh, ``(mesh, mesh_dim)`` with an int or a name on a 2-D ``("dp", "tp")`` mesh, and

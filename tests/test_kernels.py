@@ -1,4 +1,4 @@
-"""funcoll's Triton row kernels (``funcoll/_kernels.py``) and the ops that take them.
+"""funcoll's Triton row kernels (``funcoll/_collective/_kernels.py``) and the ops that take them.
 
 The kernels move rows between the padded layout (rank i's ``sizes[i]`` rows at
 ``i * bound``) and the packed one (at the running sum of the sizes). The references
@@ -24,7 +24,7 @@ from _inputs import environ, seeded
 from torch import Tensor
 
 import funcoll
-from funcoll._rows import pack_reference
+from funcoll._collective._rows import pack_reference
 from funcoll.testing import run_ranks
 
 pytest.importorskip("triton")
@@ -101,7 +101,7 @@ def unit_blocks(case: tuple, device: torch.device) -> Tensor:
 
 def _run_unit(rank: int, world: int) -> dict[str, Any]:
     device = _device()
-    from funcoll import _kernels
+    from funcoll._collective import _kernels
 
     out = {}
     for case in UNIT:
@@ -192,7 +192,7 @@ def _weight(rank: int, shape: torch.Size) -> Tensor:
 
 
 def _run_ops(rank: int, world: int) -> dict[str, Any]:
-    from funcoll import _kernels
+    from funcoll._collective import _kernels
 
     calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0}
 

@@ -2,11 +2,13 @@
 
 Read from the source (nothing is imported): every ``import`` of a funcoll module by
 another, at the top of a file or inside a function, and every ``_module._name`` or
-``from ._module import _name`` that reaches into another module. The layers, from the
-bottom: the switches and checks (``_config``, ``_checks``, ``_group``, ...), the issue
-and wait of one collective (``_issue``), the size exchange (``_header``), the
-primitives (``_prims``), the op families, the frontends (``lax``, ``compat``, ``moe``,
-``integrations``), the tools (``testing``, the demo): docs/contributing.md.
+``from ._module import _name`` that reaches into another module. The layers are
+folders, from the bottom: ``funcoll/_base`` (the switches and checks: ``_config``,
+``_checks``, ``_group``, ...), ``funcoll/_collective`` (the issue and wait of one
+collective, the size exchange, the primitives), ``funcoll/_ops`` (the op families and
+their entry), the frontends (``lax``, ``compat``, ``moe``, ``integrations``), the tools
+(``testing``, the demo): docs/contributing.md. Also read from the source: where the
+ops' entry steps are called, and how long each function is.
 """
 
 from __future__ import annotations
@@ -109,26 +111,26 @@ def test_the_imports_have_no_cycle() -> None:
 def test_the_reading_finds_the_known_imports() -> None:
     """The reader sees the edges it is meant to police (a reader that saw nothing would pass)."""
     graph = _imports()
-    assert "funcoll._issue" in graph["funcoll._header"]
-    assert "funcoll._header" in graph["funcoll._prims"]
-    assert "check_collective" in graph["funcoll._prims"]["funcoll._header"]
-    assert "funcoll._even" in graph["funcoll.moe._dispatch"]
+    assert "funcoll._collective._issue" in graph["funcoll._collective._header"]
+    assert "funcoll._collective._header" in graph["funcoll._collective._prims"]
+    assert "check_collective" in graph["funcoll._collective._prims"]["funcoll._collective._header"]
+    assert "funcoll._ops._even" in graph["funcoll.moe._dispatch"]
 
 
-# The calls of the entry's steps allowed outside funcoll/_entry.py, each with why: the
+# The calls of the entry's steps allowed outside funcoll/_ops/_entry.py, each with why: the
 # group queries themselves, DTensor's own mesh dims, and the frontends whose group is
 # not an op's argument as passed (a mesh dim read with placements, a handle's group,
 # a policy's, compat's default world, shard_map's mesh axes).
 ENTRY_STEPS = ("check_tensor", "resolve_group", "dtensor_input", "refuse_dtensor")
 ENTRY_STEPS_ELSEWHERE = {
-    ("funcoll._group", "resolve_group"): 2,  # axis_index, axis_size: the group queries
-    ("funcoll._dtensor", "resolve_group"): 2,  # a DTensor's mesh dim to its group
-    ("funcoll._shard", "resolve_group"): 1,  # from_ragged: the mesh dim, read with the placements
+    ("funcoll._base._group", "resolve_group"): 2,  # axis_index, axis_size: the group queries
+    ("funcoll._base._dtensor", "resolve_group"): 2,  # a DTensor's mesh dim to its group
+    ("funcoll._ops._shard", "resolve_group"): 1,  # from_ragged: the mesh dim, read with the placements
     ("funcoll.moe._dispatch", "resolve_group"): 2,  # dispatch once (the handle keeps the group), combine once
     ("funcoll.moe._dropless", "resolve_group"): 1,  # Dropless: a bad group refused at construction
     ("funcoll.compat", "resolve_group"): 2,  # the seeds' default world; all_gather_into_tensor's out buffer
     ("funcoll.lax", "resolve_group"): 1,  # shard_map's mesh axes
-    ("funcoll._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
+    ("funcoll._base._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
 }
 
 
@@ -137,7 +139,7 @@ def test_the_entry_steps_are_written_once() -> None:
     found: dict[tuple[str, str], int] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         me = _module(path)
-        if me == "funcoll._entry":
+        if me == "funcoll._ops._entry":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
@@ -146,7 +148,7 @@ def test_the_entry_steps_are_written_once() -> None:
                 if name in ENTRY_STEPS:
                     found[me, name] = found.get((me, name), 0) + 1
     assert found == ENTRY_STEPS_ELSEWHERE, (
-        "calls of an entry step outside funcoll/_entry.py (declare it in the op's @entry instead):\n"
+        "calls of an entry step outside funcoll/_ops/_entry.py (declare it in the op's @entry instead):\n"
         + "\n".join(f"{m}: {n} x{c}" for (m, n), c in sorted(found.items()))
     )
 
@@ -162,3 +164,35 @@ def test_no_function_is_longer_than_120_lines() -> None:
                 if length > 120:
                     long.append(f"{_module(path)}.{node.name}: {length} lines")
     assert not long, "\n".join(long)
+
+
+# The folders, from the bottom (docs/contributing.md, "Layers"): a module imports its own
+# folder's modules and those of the folders below, never one above.
+FOLDERS = (
+    "funcoll._base",  # foundations
+    "funcoll._collective",  # one collective: issue and wait, row moves, size exchange, primitives
+    "funcoll._ops",  # the public ops and their entry
+    "funcoll",  # the frontends: lax, _shard_map, compat, moe, integrations; funcoll's own __init__
+    "tools",  # testing, the demo
+)
+TOOLS = ("funcoll.testing", "funcoll.demo", "funcoll._demo_train", "funcoll._demo_seeds")
+
+
+def _folder(module: str) -> int:
+    if module in TOOLS:
+        return FOLDERS.index("tools")
+    for i, folder in enumerate(FOLDERS[:3]):
+        if module == folder or module.startswith(folder + "."):
+            return i
+    return FOLDERS.index("funcoll")
+
+
+def test_the_folders_are_layers_that_import_only_downward() -> None:
+    up = [
+        f"{me} ({FOLDERS[_folder(me)]}) imports {other} ({FOLDERS[_folder(other)]})"
+        for me, edges in _imports().items()
+        for other in edges
+        if other.startswith("funcoll") and _folder(other) > _folder(me)
+    ]
+    assert not up, "imports that point up a layer:\n" + "\n".join(up)
+    assert {_folder(m) for m in _imports()} == set(range(len(FOLDERS))), "a folder with no module"

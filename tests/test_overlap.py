@@ -2,7 +2,7 @@
 
 On a gloo group with torch's two worker threads a result is also waited before
 funcoll's next collective is issued, so that one is in flight at a time
-(``funcoll._async.defers`` says why), which is checked first; an op on a
+(``funcoll._collective._async.defers`` says why), which is checked first; an op on a
 one-thread gloo group defers as on NCCL. Then each case calls a public op on 2 and 3 gloo
 ranks, on the default group and again with ``FUNCOLL_GLOO_DEFER=1`` (no waits
 between collectives), and reads
@@ -34,7 +34,7 @@ from torch import Tensor
 
 import funcoll
 from funcoll import moe
-from funcoll._async import Pending
+from funcoll._collective._async import Pending
 from funcoll.testing import gloo_worker_threads, in_flight, run_ranks, settled
 
 WORLDS = (2, 3)

@@ -1,4 +1,4 @@
-"""Multi-rank tests of the ragged collectives (``funcoll/_ragged.py``) against single-process references.
+"""Multi-rank tests of the ragged collectives (``funcoll/_ops/_ragged.py``) against single-process references.
 
 Every case is a :class:`Case`: an op, a world size, a shape whose ragged dim holds a per-rank
 length, a dtype and a memory layout. Rank r rebuilds its input from a generator seeded by

@@ -1,4 +1,4 @@
-"""Multi-rank correctness of the region ops (funcoll/_region.py) on real gloo ranks.
+"""Multi-rank correctness of the region ops (funcoll/_ops/_region.py) on real gloo ranks.
 
 The region ops assume the computation after them is replicated, so their references are:
 

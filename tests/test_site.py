@@ -23,7 +23,7 @@ import torch
 
 import funcoll
 import funcoll.compat
-from funcoll._spec import SPECS
+from funcoll._ops._spec import SPECS
 from funcoll.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

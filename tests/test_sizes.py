@@ -1,6 +1,6 @@
 """Every op that takes sizes refuses bad ones the same way: one validator, one error contract.
 
-``funcoll._checks.check_sizes`` is the only size check: a wrong type (no list, a
+``funcoll._base._checks.check_sizes`` is the only size check: a wrong type (no list, a
 float/bool/complex tensor, an entry that is no int) is a ``TypeError``, a wrong
 value (the wrong count, a negative entry, a tensor of the wrong shape) a
 ``ValueError``, and the message names the op and the argument. Each bad value is

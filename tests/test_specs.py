@@ -1,4 +1,4 @@
-"""Every public op is described once (``funcoll/_spec.py``), and everything its spec names exists.
+"""Every public op is described once (``funcoll/_ops/_spec.py``), and everything its spec names exists.
 
 Adding an op means adding its spec; these tests fail when an op in
 ``funcoll.__all__`` has no spec, or its spec names no docs entry, no compile test
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import funcoll
-from funcoll._header import HEADERS
-from funcoll._spec import CASES, FAMILIES, SPECS, OpSpec
+from funcoll._collective._header import HEADERS
+from funcoll._ops._spec import CASES, FAMILIES, SPECS, OpSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_OPS = {"Group", "GroupLike", "P"}  # types, not ops
@@ -75,7 +75,7 @@ def test_spec_names_a_docs_entry_a_compile_test_and_reference_tests(spec: OpSpec
     ids=lambda s: s.name,
 )
 def test_every_communicating_op_names_itself_in_collective_failures(spec: OpSpec) -> None:
-    """``@public_op`` (funcoll/_faults.py): a collective that fails in eager code names this op."""
+    """``@public_op`` (funcoll/_collective/_faults.py): a collective that fails in eager code names this op."""
     fn = getattr(funcoll, spec.name)
     assert getattr(fn, "funcoll_op", None) == spec.name, (
         f"funcoll.{spec.name} is not decorated with @public_op({spec.name!r})"
@@ -88,7 +88,7 @@ def test_every_communicating_op_names_itself_in_collective_failures(spec: OpSpec
     ids=lambda s: s.name,
 )
 def test_every_communicating_op_enters_through_its_declared_entry(spec: OpSpec) -> None:
-    """``@entry`` (funcoll/_entry.py): the op's tensor checks, DTensor rule and group, declared once.
+    """``@entry`` (funcoll/_ops/_entry.py): the op's tensor checks, DTensor rule and group, declared once.
 
     An op says what a DTensor `x` does: its placement rule, or why it is refused;
     and the DTensor table of the docs (the spec's `dtensor`) names exactly the ops
@@ -96,7 +96,7 @@ def test_every_communicating_op_enters_through_its_declared_entry(spec: OpSpec) 
     refuses one as input).
     """
     entry = getattr(getattr(funcoll, spec.name), "funcoll_entry", None)
-    assert entry is not None, f"funcoll.{spec.name} is not decorated with @entry (funcoll/_entry.py)"
+    assert entry is not None, f"funcoll.{spec.name} is not decorated with @entry (funcoll/_ops/_entry.py)"
     assert entry.name == spec.name
     assert entry.dtensor is not None or entry.refuse is not None, (
         f"funcoll.{spec.name}: its @entry says neither how a DTensor `x` is refused nor its placement rule"

@@ -1,4 +1,4 @@
-"""Multi-rank tests of the static-shape ragged ops (``funcoll/_static.py``) on real gloo ranks.
+"""Multi-rank tests of the static-shape ragged ops (``funcoll/_ops/_static.py``) on real gloo ranks.
 
 ``gather_padded``: rank r holds a seeded tensor padded to a bound B along the ragged dim,
 of which the first ``lengths[r]`` rows are data. Reference: the data rows of every rank

@@ -22,7 +22,7 @@ also runs compiled (``fullgraph=True``, forward and backward) where a rank holds
 no tokens, in every mode: on inductor at every world size, and at 2 ranks on
 aot_eager and on inductor with its overlap passes (under checks, as tests/ runs:
 the case where inductor reused a header's buffer while it was still being sent,
-``funcoll._faults.checked_wait``), against the dense layer; the collectives each
+``funcoll._collective._faults.checked_wait``), against the dense layer; the collectives each
 rank's graphs issue must pair up, forward and backward.
 All cases of a world run in one ``run_ranks`` call; the release matrix runs 2 ranks.
 """

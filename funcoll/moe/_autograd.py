@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._rows import zero_rows_after
+from .._collective._rows import zero_rows_after
 
 
 def take(t: Tensor, index: Tensor, spare: bool | int | torch.SymInt | torch.SymBool) -> Tensor:

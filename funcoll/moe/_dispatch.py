@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _even, _prims
-from .._async import wait
-from .._checks import IntLike
-from .._config import checks_enabled
-from .._entry import Refusal, entry
-from .._group import Group, GroupLike, resolve_group
-from .._header import host_ints
+from .._base._checks import IntLike
+from .._base._config import checks_enabled
+from .._base._group import Group, GroupLike, resolve_group
+from .._collective import _prims
+from .._collective._async import wait
+from .._collective._header import host_ints
+from .._ops import _even
+from .._ops._entry import Refusal, entry
 from ._autograd import Gather, take, weighted_sum
 from ._dropless import Dropless
 from ._handle import MoEHandle

@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from .. import _even
-from .._group import GroupLike, resolve_group
+from .._base._group import GroupLike, resolve_group
+from .._ops import _even
 from ._layout import is_int
 
 _R = TypeVar("_R")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._group import GroupLike
+from .._base._group import GroupLike
 
 
 @dataclass(frozen=True)

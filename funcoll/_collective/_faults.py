@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._config import checks_enabled
+from .._base._config import checks_enabled
 
 __all__ = ["checked_wait", "current_op", "failed", "public_op", "remember", "traced_op"]
 
@@ -151,7 +151,7 @@ def failed(
     code that catches the backend's errors still catches it; the original is the
     new one's ``__cause__``. `traced` is the op name a compiled graph carries
     (see :func:`wait`); None in eager code. `op` is the name :func:`current_op`
-    read when a deferred collective was issued (``funcoll._async``): its wait
+    read when a deferred collective was issued (``funcoll._collective._async``): its wait
     runs after the op has returned.
     """
     at = f" in {step}" if step else ""

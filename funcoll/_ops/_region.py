@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _faults, _prims
-from ._checks import IntLike, check_dim, fresh, tensor_split_sizes
-from ._dtensor import MeshAxis
+from .._base._checks import IntLike, check_dim, fresh, tensor_split_sizes
+from .._base._dtensor import MeshAxis
+from .._base._group import Group, GroupLike
+from .._base._wire import unwire, wire
+from .._collective import _faults, _prims
+from .._collective._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
 from ._entry import entry
-from ._group import Group, GroupLike
-from ._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
-from ._wire import unwire, wire
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 

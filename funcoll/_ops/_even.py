@@ -10,8 +10,7 @@ from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _prims
-from ._checks import (
+from .._base._checks import (
     REDUCE_OPS,
     IntLike,
     check_dim,
@@ -23,14 +22,15 @@ from ._checks import (
     fresh,
     tensor_split_sizes,
 )
-from ._dtensor import MeshAxis, is_placement
+from .._base._dtensor import MeshAxis, is_placement
+from .._base._group import Group, GroupLike
+from .._base._sym import prod
+from .._base._wire import unwire, wire, wire_op
+from .._collective import _prims
+from .._collective._header import check_agreement
 from ._entry import Refusal, entry
-from ._group import Group, GroupLike
-from ._header import check_agreement
 from ._ragged import reduce_scatter_v
 from ._region import gather_shards
-from ._sym import prod
-from ._wire import unwire, wire, wire_op
 
 __all__ = [
     "all_gather",

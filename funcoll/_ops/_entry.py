@@ -14,10 +14,10 @@ and every call then goes through the same steps, in this order, before the body:
    ``torch.Tensor``, or a ``TypeError`` names the op and the argument;
 3. a DTensor `x` is refused (`refuse`: why no placement describes the result, and
    what to use) or handed to the op's placement rule (`dtensor`), which gets the
-   :class:`~funcoll._dtensor.MeshAxis` of `x` and the op's other arguments by name,
+   :class:`~funcoll._base._dtensor.MeshAxis` of `x` and the op's other arguments by name,
    and returns the op's result on the mesh;
-4. `group` is resolved once (:func:`~funcoll._group.resolve_group`) and the body
-   gets the resolved :class:`~funcoll._group.Group` in its place, so that what it
+4. `group` is resolved once (:func:`~funcoll._base._group.resolve_group`) and the body
+   gets the resolved :class:`~funcoll._base._group.Group` in its place, so that what it
    calls with it resolves nothing again.
 
 The body then checks its own arguments (dims, sizes, reduce ops: what differs from
@@ -34,10 +34,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._checks import check_tensor
-from ._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
-from ._faults import public_op
-from ._group import resolve_group
+from .._base._checks import check_tensor
+from .._base._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
+from .._base._group import resolve_group
+from .._collective._faults import public_op
 
 __all__ = ["Refusal", "entry"]
 

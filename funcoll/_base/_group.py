@@ -54,7 +54,7 @@ class Group:
 
 
 # What every op takes as `group`. A resolved Group passes as it is: the ops' entry
-# resolves the group once and hands the Group on (funcoll/_entry.py).
+# resolves the group once and hands the Group on (funcoll/_ops/_entry.py).
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | str | Group | None
 
 

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total, tensor_split_sizes
+from .._base._config import checks_enabled
+from .._base._dtensor import chunk_sizes, moves
+from .._base._group import Group, group_of, rank_of, size_of
+from .._base._strategy import STRATEGIES
+from .._base._sym import Stats, max_of, min_of
 from . import _issue
-from ._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total, tensor_split_sizes
-from ._config import checks_enabled
-from ._dtensor import chunk_sizes, moves
 from ._faults import OP_NAMES, op_code
-from ._group import Group, group_of, rank_of, size_of
 from ._rows import ints_on
-from ._strategy import STRATEGIES
-from ._sym import Stats, max_of, min_of
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,

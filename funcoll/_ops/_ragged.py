@@ -16,8 +16,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from . import _prims
-from ._checks import (
+from .._base._checks import (
     REDUCE_OPS,
     IntLike,
     check_dim,
@@ -26,16 +25,17 @@ from ._checks import (
     check_total,
     fresh,
 )
-from ._config import checks_enabled
-from ._dtensor import MeshAxis
+from .._base._config import checks_enabled
+from .._base._dtensor import MeshAxis
+from .._base._group import Group, GroupLike
+from .._base._strategy import STRATEGIES
+from .._base._sym import max_of, min_of
+from .._base._wire import unwire, wire, wire_op
+from .._collective import _prims
+from .._collective._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
+from .._collective._rows import ints_on
 from ._entry import Refusal, entry
-from ._group import Group, GroupLike
-from ._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
 from ._region import gather_shards
-from ._rows import ints_on
-from ._strategy import STRATEGIES
-from ._sym import max_of, min_of
-from ._wire import unwire, wire, wire_op
 
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "scatter"]
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._base._config import checks_enabled
+from .._base._group import wire_name
 from . import _async, _faults
-from ._config import checks_enabled
-from ._group import wire_name
 
 __all__ = ["ALIAS_WAIT", "gather_rows", "run"]
 
@@ -43,15 +43,15 @@ def run(
 ) -> Tensor:
     """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
 
-    Eager, the result is a :class:`funcoll._async.Pending` (funcol's
+    Eager, the result is a :class:`funcoll._collective._async.Pending` (funcol's
     ``AsyncCollectiveTensor`` design): the call returns once the collective is
     issued, and the wait happens when an op first reads the values, so the
     caller's work in between overlaps with the communication. On a gloo group
     with two worker threads (torch's default) it is also waited before funcoll's
     next eager collective is issued, so that one is in flight at a time
-    (:func:`funcoll._async.defers`).
+    (:func:`funcoll._collective._async.defers`).
     A backend failure (a peer rank died, raised or stayed away) is re-raised
-    naming the funcoll op, the collective and its `step` (:mod:`funcoll._faults`),
+    naming the funcoll op, the collective and its `step` (:mod:`funcoll._collective._faults`),
     at the issue or at that wait. ``defer=False`` waits at once: the size exchanges, whose values
     the host reads next. While compiling this is the issue and the wait, which
     inductor's passes may move past independent work; under checks a size
@@ -60,7 +60,7 @@ def run(
 
     `x` is the payload (contiguous) and ``issue(x, group)`` issues the collective.
     `wire`: the group name a compiled graph issues it under, when the caller took
-    one already (:func:`funcoll._group.wire_name`, one per collective); else this
+    one already (:func:`funcoll._base._group.wire_name`, one per collective); else this
     takes one.
 
     Eager, the issue and the wait dispatch below autograd. Every collective here

@@ -41,14 +41,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._base._checks import IntLike
+from .._base._config import checks_enabled
+from .._base._group import wire_name
+from .._base._strategy import all_equal, common_rows, resolve
+from .._base._sym import Stats, max_of
 from . import _faults, _issue
-from ._checks import IntLike
-from ._config import checks_enabled
-from ._group import wire_name
 from ._header import check_collective
 from ._rows import cut_padding, pad_rows
-from ._strategy import all_equal, common_rows, resolve
-from ._sym import Stats, max_of
 
 _F = torch.ops._c10d_functional
 
@@ -63,15 +63,15 @@ def _run(
     defer: bool = True,
     splits: tuple[Sequence[IntLike], Sequence[IntLike]] | None = None,
 ) -> Tensor:
-    """Issue one collective through :func:`funcoll._issue.run`, checked first under checks.
+    """Issue one collective through :func:`funcoll._collective._issue.run`, checked first under checks.
 
     `x` is the payload (contiguous) and ``issue(x, group)`` issues the collective;
     `splits` are an all_to_all's (send, receive) sizes. With ``funcoll.set_checks(True)``
     every data collective (not the size exchanges, ``defer=False``) first exchanges
-    a header saying what it is (:func:`funcoll._header.check_collective`), so that
+    a header saying what it is (:func:`funcoll._collective._header.check_collective`), so that
     ranks whose next collectives differ raise the same ``ValueError`` instead of
     pairing them. In a compiled graph the check and the collective run under the
-    one group name :func:`funcoll._group.wire_name` gives this collective.
+    one group name :func:`funcoll._base._group.wire_name` gives this collective.
     """
     wire = wire_name(group_name) if torch.compiler.is_compiling() else None
     if defer and checks_enabled():

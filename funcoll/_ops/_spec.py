@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._header import HEADERS, Header
-from ._strategy import resolve
+from .._base._strategy import resolve
+from .._collective._header import HEADERS, Header
 
 __all__ = ["FAMILIES", "SPECS", "OpSpec", "Plan", "spec"]
 

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import IntLike
+from .._base._checks import IntLike
 
 
 def row_kernels(t: Tensor) -> ModuleType | None:
-    """``funcoll._kernels`` when eager code should move `t`'s rows with its Triton kernels.
+    """``funcoll._collective._kernels`` when eager code should move `t`'s rows with its Triton kernels.
 
     On CUDA tensors, when triton imports, unless ``FUNCOLL_TRITON=0``.
     ``FUNCOLL_TRITON=1`` takes CPU tensors too, under ``TRITON_INTERPRET=1``: how

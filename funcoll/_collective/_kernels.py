@@ -17,7 +17,7 @@ nothing waits for the host.
 
 The kernels copy rows as raw words (8, 4, 2 or 1 bytes, the widest that divides a
 row), so every dtype takes the same path and zero bytes are zero in every dtype.
-They serve eager code on CUDA (``funcoll._rows.row_kernels`` says when); a compiled
+They serve eager code on CUDA (``funcoll._collective._rows.row_kernels`` says when); a compiled
 graph keeps the torch ops, which inductor fuses into kernels of its own. On a machine without a GPU the
 tests run them on CPU tensors with ``TRITON_INTERPRET=1``, which must be set before
 this module is imported.
@@ -106,7 +106,7 @@ def _launch(kernel: triton.JITFunction, src: Tensor, dst: Tensor, *args: object,
     """Run `kernel` over `dst`'s rows: ``kernel(src, dst, n_dst, row_words, *args)``.
 
     A kernel reads its tensors' memory without torch's dispatch, so an input
-    that a collective is still filling (an eager result, funcoll._async) is
+    that a collective is still filling (an eager result, funcoll._collective._async) is
     waited for first: on CUDA that makes the launching stream wait, not the host.
     """
     src, args = wait((src, args))

@@ -11,7 +11,7 @@ the call and the first read overlaps with the communication.
 ``AsyncCollectiveTensor`` (so the torch code that knows those, AOT autograd's
 input handling and DTensor's, treats it as one), and its wait re-raises a
 backend failure naming the funcoll op, the collective and the step, taken when
-the collective was issued (:func:`funcoll._faults.failed`), as the blocking wait
+the collective was issued (:func:`funcoll._collective._faults.failed`), as the blocking wait
 did. A result and all its views share one :class:`_Ticket`, so the collective is
 waited once, whichever of them is read first.
 

@@ -23,13 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _prims
-from ._checks import IntLike, check_dim, check_equal, check_total, fresh
-from ._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_placement, moves, show
+from .._base._checks import IntLike, check_dim, check_equal, check_total, fresh
+from .._base._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_placement, moves, show
+from .._base._group import Group, mesh_dim_index, resolve_group
+from .._base._wire import unwire, wire
+from .._collective import _prims
+from .._collective._header import check_agreement, exchange, host_sizes
 from ._entry import Refusal, entry
-from ._group import Group, mesh_dim_index, resolve_group
-from ._header import check_agreement, exchange, host_sizes
-from ._wire import unwire, wire
 
 __all__ = ["from_ragged", "to_ragged"]
 

@@ -21,15 +21,15 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from . import _prims
-from ._checks import IntLike, check_dim, check_sizes
-from ._config import checks_enabled
+from .._base._checks import IntLike, check_dim, check_sizes
+from .._base._config import checks_enabled
+from .._base._group import Group, GroupLike
+from .._base._wire import unwire, wire
+from .._collective import _prims
+from .._collective._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
+from .._collective._rows import ints_on, pack
 from ._entry import Refusal, entry
-from ._group import Group, GroupLike
-from ._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
-from ._rows import ints_on, pack
 from ._spec import spec
-from ._wire import unwire, wire
 
 __all__ = ["all_to_all_padded", "gather_padded"]
 
@@ -146,7 +146,7 @@ def _exchange(
     Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
     ``len(counts)`` columns every rank's counts (see :func:`_header`), and a zero
     that the check's host read returns (None with checks off), to release the
-    data with (:func:`funcoll._header.after_read`). With checks on the table is
+    data with (:func:`funcoll._collective._header.after_read`). With checks on the table is
     read on the host and a broken contract raises funcoll's ``ValueError`` on
     every rank, in eager and compiled code alike; with checks off (one rank, or
     empty rows) it is a device-side assert.
