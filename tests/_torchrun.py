@@ -6,11 +6,18 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A rank that aborted at interpreter exit, after its program ended: seen twice in
+# fresh-clone runs on a loaded 2-core machine (rank 0, SIGABRT, in test_demo's and
+# test_faults's torchrun programs, after every line they print), never in a rerun or
+# in 12 tries under load. Its cause is not known yet (docs/errors.md, "Faults").
+AT_EXIT_ABORT = "terminate called without an active exception"
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> tuple[str, str]:
@@ -19,7 +26,20 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> tuple[s
     This checkout's funcoll comes first on the ranks' path, and ``--standalone``
     picks a free port. The test fails unless the exit status is 0; after `timeout`
     seconds torchrun and every rank are killed (one process group) and it fails too.
+    A run whose only fault is :data:`AT_EXIT_ABORT` is run once more, with a warning
+    that shows the first run's end: the test fails if the second run fails too.
     """
+    out, err, code = _launch(args, nproc, timeout)
+    if code != 0 and AT_EXIT_ABORT in err and "Traceback" not in out + err.split(AT_EXIT_ABORT)[0]:
+        warnings.warn(
+            f"torchrun {args}: a rank aborted at exit; run again. Its end:\n{err[-1500:]}", stacklevel=2
+        )
+        out, err, code = _launch(args, nproc, timeout)
+    assert code == 0, out[-3000:] + err[-3000:]
+    return out, err
+
+
+def _launch(args: list[str], nproc: int, timeout: float) -> tuple[str, str, int]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [
         sys.executable,
@@ -38,5 +58,4 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120.0) -> tuple[s
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
         out, err = proc.communicate()
         pytest.fail(f"torchrun did not finish in {timeout:g} s:\n{err[-3000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return out, err
+    return out, err, proc.returncode
