@@ -14,15 +14,15 @@ import funcoll
 import funcoll.compat
 import funcoll.lax
 import funcoll.testing
-from funcoll._ops._spec import FAMILIES, SPECS
+from funcoll._ops._spec import FAMILIES, specs
 
 # Public names that are not ops (no spec), shown after the ops of a section.
 _EXTRA = {"JAX's shard_map": ["P"]}
 
-# Every public op in the section its spec names (funcoll/_ops/_spec.py), then the submodules.
+# Every public op in the section its definition names (funcoll/_ops/_spec.py), then the submodules.
 SECTIONS = [
     *(
-        (family, funcoll, [s.name for s in SPECS if s.family == family] + _EXTRA.get(family, []))
+        (family, funcoll, [s.name for s in specs() if s.family == family] + _EXTRA.get(family, []))
         for family in FAMILIES
     ),
     ("funcoll.lax", funcoll.lax, funcoll.lax.__all__),

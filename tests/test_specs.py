@@ -1,9 +1,10 @@
-"""Every public op is described once (``funcoll/_ops/_spec.py``), and everything its spec names exists.
+"""Every public op is defined once (its function under ``@entry``), and everything its definition names exists.
 
-Adding an op means adding its spec; these tests fail when an op in
-``funcoll.__all__`` has no spec, or its spec names no docs entry, no compile test
-or no reference test that exists and mentions it, or a header that no op
-uses. docs/contributing.md walks through the steps these tests check.
+The definition registers the op's spec (``funcoll/_ops/_spec.py``) and its header;
+these tests fail when an op in ``funcoll.__all__`` has no spec, its spec names no
+docs section, it has no row in the tests' own table (``tests/_op_tests.py``: its
+compile test and reference tests, which must exist and mention it), or a header
+belongs to no op. docs/contributing.md walks through the steps these tests check.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from _op_tests import CASE_PREFIX, CASES, COMPILED_IN, TESTS
 
 import funcoll
 from funcoll._collective._header import HEADERS
-from funcoll._ops._spec import CASES, FAMILIES, SPECS, OpSpec
+from funcoll._ops._spec import FAMILIES, OpSpec, specs
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_OPS = {"Group", "GroupLike", "P"}  # types, not ops
 PUBLIC = sorted(n for n in funcoll.__all__ if n not in NOT_OPS)
+SPECS = specs()
 
 
 def _case_ids() -> list[str]:
@@ -46,7 +49,23 @@ def test_every_header_belongs_to_an_op() -> None:
     # "collective" is no op's: the header every data collective sends under checks
     assert used | {"collective"} == set(HEADERS), f"headers no spec uses: {sorted(set(HEADERS) - used)}"
     for s in SPECS:
-        assert s.header is None or s.header.name == s.name, s.name
+        assert s.header is None or HEADERS[s.name] is s.header, s.name
+
+
+def test_every_op_that_exchanges_sizes_declares_its_header() -> None:
+    """An op whose collectives start with a size exchange (or that checks across ranks) declares its header."""
+    for s in SPECS:
+        if s.collectives is None or s.family in ("Groups and sizes", "Static-shape ragged collectives"):
+            continue
+        assert s.header is not None, f"funcoll.{s.name}: its definition declares no header"
+
+
+def test_every_public_op_has_a_row_in_the_tests_table() -> None:
+    assert sorted(TESTS) == PUBLIC, (
+        f"no row in tests/_op_tests.py for {sorted(set(PUBLIC) - set(TESTS))}; "
+        f"rows of no public op: {sorted(set(TESTS) - set(PUBLIC))}"
+    )
+    assert set(COMPILED_IN) <= set(PUBLIC) and set(CASE_PREFIX) <= set(PUBLIC)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -56,14 +75,17 @@ def test_spec_names_a_docs_entry_a_compile_test_and_reference_tests(spec: OpSpec
     assert f"### `funcoll.{spec.name}(" in api, (
         f"{spec.name}: no entry in docs/api.md (python docs/build_api.py)"
     )
-    if spec.compiled_in == CASES:
-        ids = [i for i in _case_ids() if i.startswith(spec.case_prefix + "-")]
-        assert ids, f"{spec.name}: no case in {CASES} whose id starts with {spec.case_prefix!r}"
-    elif spec.compiled_in is not None:
-        text = (ROOT / spec.compiled_in).read_text()
-        assert spec.name in text, f"{spec.name}: {spec.compiled_in} does not compile it"
-    assert spec.tests, f"{spec.name}: no reference test"
-    for module in spec.tests:
+    compiled_in = COMPILED_IN.get(spec.name, CASES)
+    if compiled_in == CASES:
+        prefix = CASE_PREFIX.get(spec.name, spec.name)
+        ids = [i for i in _case_ids() if i.startswith(prefix + "-")]
+        assert ids, f"{spec.name}: no case in {CASES} whose id starts with {prefix!r}"
+    elif compiled_in is not None:
+        text = (ROOT / compiled_in).read_text()
+        assert spec.name in text, f"{spec.name}: {compiled_in} does not compile it"
+    tests = TESTS.get(spec.name, ())
+    assert tests, f"{spec.name}: no reference test in tests/_op_tests.py"
+    for module in tests:
         path = ROOT / module
         assert path.is_file(), f"{spec.name}: {module} does not exist"
         assert spec.name in path.read_text(), f"{spec.name}: {module} never mentions it"
@@ -91,7 +113,7 @@ def test_every_communicating_op_enters_through_its_declared_entry(spec: OpSpec) 
     """``@entry`` (funcoll/_ops/_entry.py): the op's tensor checks, DTensor rule and group, declared once.
 
     An op says what a DTensor `x` does: its placement rule, or why it is refused;
-    and the DTensor table of the docs (the spec's `dtensor`) names exactly the ops
+    and the DTensor table of the docs (the spec's `placements`) names exactly the ops
     whose entry has a rule (from_ragged makes a DTensor from plain pieces: it
     refuses one as input).
     """
@@ -101,9 +123,9 @@ def test_every_communicating_op_enters_through_its_declared_entry(spec: OpSpec) 
     assert entry.dtensor is not None or entry.refuse is not None, (
         f"funcoll.{spec.name}: its @entry says neither how a DTensor `x` is refused nor its placement rule"
     )
-    takes_dtensor = spec.dtensor is not None and spec.name != "from_ragged"
+    takes_dtensor = spec.placements is not None and spec.name != "from_ragged"
     assert (entry.dtensor is not None) == takes_dtensor, (
-        f"funcoll.{spec.name}: the spec's DTensor placements ({spec.dtensor}) and the entry's rule "
+        f"funcoll.{spec.name}: the spec's DTensor placements ({spec.placements}) and the entry's rule "
         f"({entry.dtensor}) disagree"
     )
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes, check_total, tensor_split_sizes
+from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
 from .._base._config import checks_enabled
-from .._base._dtensor import chunk_sizes, moves
 from .._base._group import Group, group_of, rank_of, size_of
 from .._base._strategy import STRATEGIES
 from .._base._sym import Stats, max_of, min_of
@@ -174,14 +173,14 @@ def _host_ints_fake(t: Tensor, key: str, rank: int) -> list[Tensor]:
     return [torch.empty((ctx.new_dynamic_size(), 0), dtype=torch.uint8, device="cpu") for _ in range(n)]
 
 
-def _describe(row: list[int]) -> str:
+def describe(row: list[int]) -> str:
     ndim = row[NDIM]
     shape = [row[SHAPE + i] if i != row[DIM] else row[SIZE] for i in range(min(ndim, MAX_DIMS))]
     dtype = DTYPES[row[DTYPE]] if row[DTYPE] < len(DTYPES) else "other dtype"
     return f"shape {tuple(shape)} {dtype}".replace("torch.", "")
 
 
-def _disagree(opname: str, rows: list[list[int]], what: str, key: Callable[[list[int]], object],
+def disagree(opname: str, rows: list[list[int]], what: str, key: Callable[[list[int]], object],
               show: Callable[[list[int]], object]) -> None:  # fmt: skip
     """Raise on every rank if the ranks' rows differ in `key`, showing each rank's `show`."""
     if len({key(r) for r in rows}) > 1:
@@ -196,25 +195,25 @@ def _check_rows(key: str, rows: list[list[int]], rank: int) -> None:
         _check_collectives(rows)
         return
     if len({r[OP] for r in rows}) > 1:
-        called = [_BY_CODE[r[OP]] if 0 <= r[OP] < len(_BY_CODE) else None for r in rows]
+        called = [_BY_CODE.get(r[OP]) for r in rows]
         names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
         kind = "ragged ops" if all(h is None or not h.check_only for h in called) else "ops"
         raise ValueError(f"{opname}: ranks called different {kind} at the same point ({names})")
     dim_name = spec.varying_dim
-    _disagree(opname, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({_describe(r)})")
-    _disagree(opname, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({_describe(r)})")
-    _disagree(
+    disagree(opname, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({describe(r)})")
+    disagree(opname, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({describe(r)})")
+    disagree(
         opname,
         rows,
         "`x`.dtype",
         lambda r: r[DTYPE],
-        lambda r: _describe(r).split()[-1] + f" ({_describe(r)})",
+        lambda r: describe(r).split()[-1] + f" ({describe(r)})",
     )
     rest = "" if rows[0][DIM] < 0 else f" apart from {dim_name}"
-    _disagree(opname, rows, f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), _describe)
+    disagree(opname, rows, f"the shape of `x`{rest}", lambda r: tuple(r[SHAPE:WIDTH]), describe)
     for col, arg in zip((ARG0, ARG1), spec.args, strict=True):
         if arg is not None:
-            _disagree(
+            disagree(
                 opname, rows, f"`{arg.name}`", lambda r, c=col: r[c], lambda r, c=col, a=arg: a.show(r[c])
             )
     if len({r[GRAD] for r in rows}) > 1:
@@ -237,14 +236,14 @@ class Arg:
     show: Callable[[int], object] = lambda code: code
 
 
-def _named(values: tuple) -> Callable[[int], object]:
+def named(values: tuple) -> Callable[[int], object]:
     return lambda code: repr(values[code]) if 0 <= code < len(values) else code
 
 
 GRAD_SCALES = (None, "up", "down")
 DST = Arg("dst", lambda code: None if code < 0 else code)
-STRATEGY = Arg("strategy", _named(STRATEGIES))
-REDUCE_OP = Arg("op", _named(REDUCE_OPS))
+STRATEGY = Arg("strategy", named(STRATEGIES))
+REDUCE_OP = Arg("op", named(REDUCE_OPS))
 
 
 @dataclass(frozen=True)
@@ -255,80 +254,31 @@ class Reader:
     count: Callable[[int], int]
 
 
-def _with_stats(sizes: list[int]) -> list[int]:
-    return [*sizes, min(sizes), max(sizes), sum(sizes)]  # see split_stats
+def with_stats(sizes: list[int]) -> list[int]:
+    """`sizes`, then their min, max and sum (see split_stats)."""
+    return [*sizes, min(sizes), max(sizes), sum(sizes)]
 
 
-LENGTHS = Reader(lambda rows, rank: _with_stats([r[SIZE] for r in rows]), lambda w: w + 3)
-SLICE_SIZES = Reader(lambda rows, rank: _with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3)
-SEND_RECV = Reader(
-    lambda rows, rank: rows[rank][WIDTH : WIDTH + len(rows)] + [r[WIDTH + rank] for r in rows],
-    lambda w: 2 * w,
-)
-
-
-def _chunk_moves(rows: list[list[int]], rank: int) -> list[int]:
-    """from_ragged: the sizes, their sum, then this rank's send and receive splits."""
-    sizes = [r[SIZE] for r in rows]
-    send, recv = moves(sizes, chunk_sizes(sum(sizes), len(rows)), rank)
-    return [*sizes, sum(sizes), *send, *recv]
-
-
-TO_CHUNKS = Reader(_chunk_moves, lambda w: 3 * w + 1)
-# scatter: `src`'s length split as tensor_split does, each piece read on its own: compiled, each
-# is then an unbacked symbol of its own, which the backward binds from its inputs (inductor
-# 2.14 and 2.15 cannot bind an expression of one, such as `(u0 + 1) // 2`).
-SPLIT_SRC = Reader(lambda rows, rank: tensor_split_sizes(rows[rows[0][ARG0]][SIZE], len(rows)), lambda w: w)
+LENGTHS = Reader(lambda rows, rank: with_stats([r[SIZE] for r in rows]), lambda w: w + 3)
 NDIM_ONLY = Reader(lambda rows, rank: [rows[rank][NDIM]], lambda w: 1)  # an even op's check
 
 
-def _tails(rows: list[list[int]], first: int = 0) -> list[list[int]]:
+def tails(rows: list[list[int]], first: int = 0) -> list[list[int]]:
     """Every rank's `first`-th block of `world` tail columns."""
     world = len(rows)
     return [r[WIDTH + first * world : WIDTH + (first + 1) * world] for r in rows]
 
 
-def _same_tails(opname: str, rows: list[list[int]], message: str, first: int = 0,
-                show: Callable[[list[int]], object] = lambda t: t) -> None:  # fmt: skip
-    tails = _tails(rows, first)
-    if len({tuple(t) for t in tails}) > 1:
-        detail = ", ".join(f"rank {i}: {show(t)}" for i, t in enumerate(tails))
+def same_tails(opname: str, rows: list[list[int]], message: str, first: int = 0,
+               show: Callable[[list[int]], object] = lambda t: t) -> None:  # fmt: skip
+    """Raise on every rank unless the ranks' `first`-th tail blocks agree; `message` formats {detail} and {dim}."""
+    blocks = tails(rows, first)
+    if len({tuple(t) for t in blocks}) > 1:
+        detail = ", ".join(f"rank {i}: {show(t)}" for i, t in enumerate(blocks))
         raise ValueError(f"{opname}: {message.format(detail=detail, dim=rows[0][DIM])}")
 
 
-def _check_send_sizes(opname: str, rows: list[list[int]]) -> None:
-    for i, (r, send) in enumerate(zip(rows, _tails(rows), strict=True)):
-        if any(s < 0 for s in send) or sum(send) != r[SIZE]:
-            raise ValueError(
-                f"{opname}: rank {i} has `send_sizes`={send}, which must be {len(rows)} non-negative "
-                f"ints summing to x.shape[dim]={r[SIZE]}"
-            )
-
-
-def _check_perm(opname: str, rows: list[list[int]]) -> None:
-    # the tail holds every rank's destination, -1 for none: shown as (src, dst) pairs
-    pairs = lambda t: [(i, d) for i, d in enumerate(t) if d >= 0]  # noqa: E731
-    _same_tails(opname, rows, "ranks disagree on `perm` ({detail})", show=pairs)
-
-
-def _check_gather_widths(opname: str, rows: list[list[int]]) -> None:
-    _same_tails(
-        opname, rows, "ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})", first=1
-    )
-    _same_tails(
-        opname, rows, "ranks disagree on every rank's length along gather_dim {dim} ({detail}); when "
-        "x.shape[gather_dim] differs between ranks, pass the same `gather_sizes` on every rank",
-    )  # fmt: skip
-    expected = _tails(rows)[0]
-    for i, r in enumerate(rows):
-        if r[SIZE] != expected[i]:
-            raise ValueError(
-                f"{opname}: rank {i} has x.shape[{r[DIM]}]={r[SIZE]}, but the ranks expect {expected[i]} "
-                f"there (`gather_sizes` or, without it, every rank's own length)"
-            )
-
-
-def _check_given_lengths(opname: str, rows: list[list[int]]) -> None:
+def check_given_lengths(opname: str, rows: list[list[int]]) -> None:
     """A ragged gather called with `sizes`: the tail holds the list, then a 1 ("given")."""
     world = len(rows)
     given = [r[WIDTH + world] for r in rows]
@@ -337,113 +287,64 @@ def _check_given_lengths(opname: str, rows: list[list[int]]) -> None:
     if not all(given):
         on, off = [i for i, f in enumerate(given) if f], [i for i, f in enumerate(given) if not f]
         raise ValueError(f"{opname}: `sizes` was given on ranks {on} but not on ranks {off}")
-    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
     lengths = [r[SIZE] for r in rows]
-    if _tails(rows)[0] != lengths:
+    if tails(rows)[0] != lengths:
         raise ValueError(
-            f"{opname}: `sizes`={_tails(rows)[0]}, but the ranks hold {lengths} along dim {rows[0][DIM]}"
+            f"{opname}: `sizes`={tails(rows)[0]}, but the ranks hold {lengths} along dim {rows[0][DIM]}"
         )
 
 
-def _check_scatter_sizes(opname: str, rows: list[list[int]]) -> None:
-    """scatter's `sizes`, when given (ARG1): the same on every rank, summing to `src`'s length."""
-    if not rows[0][ARG1]:
-        return
-    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
-    sizes, src = _tails(rows)[0], rows[0][ARG0]
-    check_total(opname, "sizes", sizes, rows[src][SIZE], f"rank {src}'s x.shape[{rows[0][DIM]}]")
-
-
-def _check_same_sizes(opname: str, rows: list[list[int]]) -> None:
-    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
-
-
-def _check_slice_sizes(opname: str, rows: list[list[int]]) -> None:
-    if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
-        _disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
-    _same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
-    _disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], _describe)
-    sizes = _tails(rows)[0]
-    if any(n < 0 for n in sizes) or sum(sizes) != rows[0][SIZE]:
-        raise ValueError(
-            f"{opname}: `sizes`={sizes} must be {len(rows)} non-negative ints summing to x.shape[dim]={rows[0][SIZE]}"
-        )
+def check_same_sizes(opname: str, rows: list[list[int]]) -> None:
+    """Every rank passed the same `sizes` (the first tail block)."""
+    same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
 
 
 @dataclass(frozen=True)
 class Header:
     """What one op's header carries beyond the common columns, and how it is read and checked.
 
-    `args`: what ARG0 and ARG1 carry (None: nothing). `reads`: the host ints the
-    call gets back. `varying_dim`: what the dim whose length may differ between
-    ranks is called in errors. `checks`: what the op checks across ranks beyond
-    the common columns (its tail of per-rank sizes). `check_only`: an even op,
-    which exchanges a header only with ``funcoll.set_checks(True)``.
+    An op declares its header in its definition (``@entry(..., header=Header(...))``),
+    which registers it under the op's name (:func:`register_header`). `args`: what
+    ARG0 and ARG1 carry (None: nothing). `reads`: the host ints the call gets back.
+    `varying_dim`: what the dim whose length may differ between ranks is called in
+    errors. `checks`: what the op checks across ranks beyond the common columns (its
+    tail of per-rank sizes). `check_only`: an even op, which exchanges a header only
+    with ``funcoll.set_checks(True)``.
     """
 
-    name: str
     args: tuple[Arg | None, Arg | None] = (None, None)
     reads: Reader = LENGTHS
     varying_dim: str = "the ragged `dim`"
     checks: tuple[Callable[[str, list[list[int]]], None], ...] = ()
     check_only: bool = False
+    name: str = ""
 
 
-# Every op that exchanges a header, ragged ops first. A row's OP column is the
-# position here, the same on every rank.
-_BY_CODE: tuple[Header, ...] = (
-    Header("gather", args=(DST, STRATEGY), checks=(_check_given_lengths,)),
-    Header("all_gather_ragged", args=(None, STRATEGY), checks=(_check_given_lengths,)),
-    Header("all_gather_list", args=(None, STRATEGY), checks=(_check_given_lengths,)),
-    Header("all_to_all_v", reads=SEND_RECV, checks=(_check_send_sizes,)),
-    Header(
-        "reduce_scatter",
-        args=(REDUCE_OP, Arg("sizes", lambda c: "given" if c else "None")),
-        reads=SLICE_SIZES,
-        checks=(_check_slice_sizes,),
-    ),
-    Header("gather_forward_split_backward", args=(None, STRATEGY), checks=(_check_given_lengths,)),
-    Header("all_gather", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
-    Header("all_gather_into_tensor", args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
-    Header("all_reduce", args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
-    Header(
-        "all_to_all",
-        args=(Arg("scatter_dim"), None),
-        reads=NDIM_ONLY,
-        varying_dim="`gather_dim`",
-        checks=(_check_gather_widths,),
-        check_only=True,
-    ),
-    Header("ppermute", reads=NDIM_ONLY, checks=(_check_perm,), check_only=True),
-    Header("broadcast", args=(Arg("src"), None), reads=NDIM_ONLY, check_only=True),
-    Header(
-        "split_forward_gather_backward",
-        args=(Arg("dim"), Arg("grad_scale", _named(GRAD_SCALES))),
-        reads=NDIM_ONLY,
-        check_only=True,
-    ),
-    Header(
-        "to_ragged",
-        reads=NDIM_ONLY,
-        varying_dim="the Shard dim",
-        checks=(_check_same_sizes,),
-        check_only=True,
-    ),
-    Header("from_ragged", reads=TO_CHUNKS, checks=(_check_same_sizes,)),
-    # Not an op: every data collective under checks (check_collective).
-    Header("collective", reads=NDIM_ONLY, check_only=True),
-    # Appended after it: the codes above keep their values.
-    Header("reduce", args=(REDUCE_OP, DST), reads=NDIM_ONLY, check_only=True),
-    Header(
-        "scatter",
-        args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
-        reads=SPLIT_SRC,
-        varying_dim="`dim`",
-        checks=(_check_scatter_sizes,),
-    ),
-)
-HEADERS: dict[str, Header] = {h.name: h for h in _BY_CODE}
-CODES: dict[str, int] = {h.name: i for i, h in enumerate(_BY_CODE)}
+# Every registered header by name, and by the code its rows carry in the OP column.
+HEADERS: dict[str, Header] = {}
+CODES: dict[str, int] = {}
+_BY_CODE: dict[int, Header] = {}
+
+
+def register_header(name: str, header: Header) -> Header:
+    """Register the header of op `name`; its code is the CRC-32 of the name.
+
+    The code is the same on every rank whatever order the modules were imported in,
+    and stays when ops are added or removed.
+    """
+    code = zlib.crc32(name.encode())
+    if name in HEADERS or code in _BY_CODE:
+        raise ValueError(
+            f"funcoll: a second header for {name!r} (or a CRC-32 clash with {_BY_CODE[code].name!r})"
+        )
+    header = replace(header, name=name)
+    HEADERS[name], CODES[name], _BY_CODE[code] = header, code, header
+    return header
+
+
+# Not an op's: the row every data collective sends under checks (check_collective).
+register_header("collective", Header(reads=NDIM_ONLY, check_only=True))
 
 
 # ----------------------------------------------------- every collective, under checks
@@ -463,7 +364,7 @@ def _show_group(code: int) -> str:
 def _show_collective(row: list[int]) -> str:
     """What a header row says a rank is about to issue, for the error."""
     if row[OP] != CODES["collective"]:
-        name = _BY_CODE[row[OP]].name if 0 <= row[OP] < len(_BY_CODE) else "?"
+        name = _BY_CODE[row[OP]].name if row[OP] in _BY_CODE else "?"
         return f"the header exchange of funcoll.{name}"
     kind = COLLECTIVES[row[SIZE]] if 0 <= row[SIZE] < len(COLLECTIVES) else "?"
     op = f"funcoll.{OP_NAMES[row[ARG1]]}" if 0 <= row[ARG1] < len(OP_NAMES) else "funcoll"

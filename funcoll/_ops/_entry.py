@@ -38,6 +38,8 @@ from .._base._checks import check_tensor
 from .._base._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
 from .._base._group import resolve_group
 from .._collective._faults import public_op
+from .._collective._header import Header, register_header
+from ._spec import OpSpec, Plan, register
 
 __all__ = ["Refusal", "entry"]
 
@@ -126,15 +128,29 @@ class _Arguments:
 
 def entry(
     name: str,
+    family: str | None = None,
     *,
+    header: Header | None = None,
+    collectives: Callable[[int, str], Plan] | None = None,
+    placements: tuple[str, str] | None = None,
+    limit: str | None = None,
     tensors: tuple[str, ...] = ("x",),
     optional: tuple[str, ...] = (),
     dtensor: Callable[..., Any] | None = None,
     refuse: Refusal | None = None,
     resolve: bool = True,
 ) -> Callable[[_F], _F]:
-    """Decorate the public op `name` (``funcoll.<name>``) with the one entry every op takes.
+    """Define the public op `name` (``funcoll.<name>``): what it is, and the one entry every op takes.
 
+    What it is, registered in :mod:`._spec` (None where the op has none):
+    `family`: its docs section (None for an op outside ``funcoll.__all__``, such as
+    ``moe.dispatch``); `header`: what its size exchange or cross-rank check carries,
+    registered under `name`; `collectives`: ``(world, variant) -> (forward,
+    backward)`` counts of the collectives one call issues; `placements`: a DTensor
+    argument's placement and the result's (docs/dtensor.md); `limit`: what bounds a
+    static op's counts.
+
+    Its entry:
     `tensors`: the arguments that must be tensors, checked in this order; `optional`:
     those checked when not None. `dtensor`: the placement rule, called as
     ``dtensor(ax, **the other arguments)`` for a DTensor `x`; `refuse`: why a DTensor
@@ -142,6 +158,10 @@ def entry(
     whose group is a mesh dim they read themselves).
     """
     opname = f"funcoll.{name}"
+    if header is not None:
+        header = register_header(name, header)
+    if family is not None:
+        register(OpSpec(name, family, header, limit, collectives, placements))
 
     def decorate(fn: _F) -> _F:
         arguments = _Arguments(fn)

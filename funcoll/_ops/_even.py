@@ -27,10 +27,28 @@ from .._base._group import Group, GroupLike
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
-from .._collective._header import check_agreement
+from .._collective._header import (
+    ARG1,
+    DIM,
+    DST,
+    NDIM_ONLY,
+    REDUCE_OP,
+    SIZE,
+    WIDTH,
+    Arg,
+    Header,
+    Reader,
+    check_agreement,
+    describe,
+    disagree,
+    same_tails,
+    tails,
+    with_stats,
+)
 from ._entry import Refusal, entry
 from ._ragged import reduce_scatter_v
 from ._region import gather_shards
+from ._spec import A2A, AG, AR, BC, EVEN, RS, Plan, fixed, rows_plan
 
 __all__ = [
     "all_gather",
@@ -60,9 +78,19 @@ def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool) -> Tensor:
 
 
 _STACKS = "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
+_TILED = (Arg("dim"), Arg("tiled", bool))
+_GATHER, _SCATTER, _A2A = fixed({AG: 1}, {RS: 1}), fixed({RS: 1}, {AG: 1}), fixed({A2A: 1}, {A2A: 1})
 
 
-@entry("all_gather", dtensor=_all_gather_dtensor, refuse=Refusal(*_STACKS, when=lambda a: not a["tiled"]))
+@entry(
+    "all_gather",
+    EVEN,
+    header=Header(args=_TILED, reads=NDIM_ONLY, check_only=True),
+    collectives=_GATHER,
+    placements=("Shard(dim)", "Replicate()"),
+    dtensor=_all_gather_dtensor,
+    refuse=Refusal(*_STACKS, when=lambda a: not a["tiled"]),
+)
 def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool = True) -> Tensor:
     """Gather `x` from every rank of `group` (JAX ``all_gather``).
 
@@ -117,7 +145,13 @@ def _all_gather(opname: str, x: Tensor, dim: int, g: Group, tiled: bool) -> Tens
     return _merge_rank_axis(stacked, d)
 
 
-@entry("all_gather_into_tensor", refuse=Refusal(*_STACKS))
+@entry(
+    "all_gather_into_tensor",
+    EVEN,
+    header=Header(args=_TILED, reads=NDIM_ONLY, check_only=True),
+    collectives=_GATHER,
+    refuse=Refusal(*_STACKS),
+)
 def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
     """The functional form of ``torch.distributed.all_gather_into_tensor``.
 
@@ -168,7 +202,38 @@ def _reduce_scatter_dtensor(
     return ax.wrap(unwire(y, local.dtype).movedim(0, d), Shard(d))
 
 
-@entry("reduce_scatter", dtensor=_reduce_scatter_dtensor)
+def _slices_agree(opname: str, rows: list[list[int]]) -> None:
+    """reduce_scatter's header check: every rank's `sizes` (or, without them, x.shape[dim]) agree."""
+    if not rows[0][ARG1]:  # the even op: its sizes follow from x.shape[dim]
+        disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], describe)
+    same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    disagree(opname, rows, "x.shape[dim]", lambda r: r[SIZE], describe)
+    sizes = tails(rows)[0]
+    if any(n < 0 for n in sizes) or sum(sizes) != rows[0][SIZE]:
+        raise ValueError(
+            f"{opname}: `sizes`={sizes} must be {len(rows)} non-negative ints summing to x.shape[dim]={rows[0][SIZE]}"
+        )
+
+
+def _reduce_scatter_plan(world: int, variant: str) -> Plan:
+    if variant == "sizes":  # the ragged one: one all_to_all; backward a ragged all-gather
+        return {A2A: 1}, rows_plan(world)[0]
+    return {RS: 1}, {AG: 1}
+
+
+@entry(
+    "reduce_scatter",
+    EVEN,
+    header=Header(
+        args=(REDUCE_OP, Arg("sizes", lambda c: "given" if c else "None")),
+        # this rank's slice sizes, then their min, max and sum
+        reads=Reader(lambda rows, rank: with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3),
+        checks=(_slices_agree,),
+    ),
+    collectives=_reduce_scatter_plan,
+    placements=("Partial(op)", "Shard(dim)"),
+    dtensor=_reduce_scatter_dtensor,
+)
 def reduce_scatter(
     x: Tensor,
     dim: int = 0,
@@ -253,7 +318,14 @@ def _all_reduce_dtensor(ax: MeshAxis, op: str) -> Tensor:
     return ax.wrap(y, Replicate())
 
 
-@entry("all_reduce", dtensor=_all_reduce_dtensor)
+@entry(
+    "all_reduce",
+    EVEN,
+    header=Header(args=(REDUCE_OP, None), reads=NDIM_ONLY, check_only=True),
+    collectives=fixed({AR: 1}, {AR: 1}),
+    placements=("Partial(op)", "Replicate()"),
+    dtensor=_all_reduce_dtensor,
+)
 def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor:
     """Reduce `x` over the ranks of `group`; every rank gets the result (JAX ``psum``).
 
@@ -340,7 +412,79 @@ def _all_to_all_dtensor(
     return ax.wrap(y, Shard(s))
 
 
-@entry("all_to_all", dtensor=_all_to_all_dtensor)
+def _all_to_all_args(
+    x: Tensor,
+    g: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[int] | None,
+    gather_sizes: Sequence[int] | None,
+) -> tuple[int, int, list[IntLike], list[IntLike] | None]:
+    """all_to_all's own checks on this rank: (scatter dim, gather dim, the pieces it sends, `gather_sizes`)."""
+    opname = "funcoll.all_to_all"
+    s = check_dim(opname, x, scatter_dim, "scatter_dim")
+    gd = check_dim(opname, x, gather_dim, "gather_dim")
+    if scatter_sizes is None:
+        pieces = tensor_split_sizes(x.shape[s], g.size)
+    else:
+        pieces = check_sizes(opname, "scatter_sizes", scatter_sizes, g.size, tensors=False)
+        check_total(opname, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
+    widths = (
+        None
+        if gather_sizes is None
+        else check_sizes(opname, "gather_sizes", gather_sizes, g.size, tensors=False)
+    )
+    if widths is not None:
+        w, n = widths[g.rank], x.shape[gd]
+        check_equal(
+            w,
+            n,
+            f"{opname}: rank {g.rank}'s x.shape[{gd}] is not its `gather_sizes` entry",
+            lambda: (
+                f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
+                f"but its x.shape[{gd}]={n}"
+            ),
+        )
+        if s == gd and not _static_equal(widths):
+            raise ValueError(
+                f"{opname}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
+                f"all-to-all along one dim is funcoll.all_to_all_v"
+            )
+    return s, gd, pieces, widths
+
+
+def _widths_agree(opname: str, rows: list[list[int]]) -> None:
+    """all_to_all's header check: the ranks agree on the scatter split and on every rank's gather_dim length."""
+    same_tails(
+        opname, rows, "ranks disagree on how the scatter dim is split (`scatter_sizes`: {detail})", first=1
+    )
+    same_tails(
+        opname, rows, "ranks disagree on every rank's length along gather_dim {dim} ({detail}); when "
+        "x.shape[gather_dim] differs between ranks, pass the same `gather_sizes` on every rank",
+    )  # fmt: skip
+    expected = tails(rows)[0]
+    for i, r in enumerate(rows):
+        if r[SIZE] != expected[i]:
+            raise ValueError(
+                f"{opname}: rank {i} has x.shape[{r[DIM]}]={r[SIZE]}, but the ranks expect {expected[i]} "
+                f"there (`gather_sizes` or, without it, every rank's own length)"
+            )
+
+
+@entry(
+    "all_to_all",
+    EVEN,
+    header=Header(
+        args=(Arg("scatter_dim"), None),
+        reads=NDIM_ONLY,
+        varying_dim="`gather_dim`",
+        checks=(_widths_agree,),
+        check_only=True,
+    ),
+    collectives=_A2A,
+    placements=("Shard(gather_dim)", "Shard(scatter_dim)"),
+    dtensor=_all_to_all_dtensor,
+)
 def all_to_all(
     x: Tensor,
     group: GroupLike = None,
@@ -400,35 +544,8 @@ def all_to_all(
         # rank 0: x = [[1, 2], [5, 6]]  rank 1: x = [[3], [7]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
     """
-    opname, g = "funcoll.all_to_all", cast(Group, group)
-    s = check_dim(opname, x, scatter_dim, "scatter_dim")
-    gd = check_dim(opname, x, gather_dim, "gather_dim")
-    if scatter_sizes is None:
-        pieces = tensor_split_sizes(x.shape[s], g.size)
-    else:
-        pieces = check_sizes(opname, "scatter_sizes", scatter_sizes, g.size, tensors=False)
-        check_total(opname, "scatter_sizes", pieces, x.shape[s], f"x.shape[{s}]")
-    widths = (
-        None
-        if gather_sizes is None
-        else check_sizes(opname, "gather_sizes", gather_sizes, g.size, tensors=False)
-    )
-    if widths is not None:
-        w, n = widths[g.rank], x.shape[gd]
-        check_equal(
-            w,
-            n,
-            f"{opname}: rank {g.rank}'s x.shape[{gd}] is not its `gather_sizes` entry",
-            lambda: (
-                f"{opname}: `gather_sizes`={widths} says rank {g.rank} holds {w} along gather_dim {gd}, "
-                f"but its x.shape[{gd}]={n}"
-            ),
-        )
-        if s == gd and not _static_equal(widths):
-            raise ValueError(
-                f"{opname}: `gather_sizes`={widths} differ with scatter_dim == gather_dim; an uneven "
-                f"all-to-all along one dim is funcoll.all_to_all_v"
-            )
+    g = cast(Group, group)
+    s, gd, pieces, widths = _all_to_all_args(x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
     expected = widths if widths is not None else [x.shape[gd]] * g.size
     x = check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
     if g.is_single:
@@ -494,7 +611,20 @@ def _ppermute_dtensor(ax: MeshAxis, perm: Sequence[tuple[int, int]]) -> Tensor:
     return ax.wrap(ppermute(ax.local(p.dim), perm, group=ax.group), p)
 
 
-@entry("ppermute", dtensor=_ppermute_dtensor)
+def _perm_agrees(opname: str, rows: list[list[int]]) -> None:
+    # the tail holds every rank's destination, -1 for none: shown as (src, dst) pairs
+    pairs = lambda t: [(i, d) for i, d in enumerate(t) if d >= 0]  # noqa: E731
+    same_tails(opname, rows, "ranks disagree on `perm` ({detail})", show=pairs)
+
+
+@entry(
+    "ppermute",
+    EVEN,
+    header=Header(reads=NDIM_ONLY, checks=(_perm_agrees,), check_only=True),
+    collectives=_A2A,
+    placements=("Shard(d), equal shards", "Shard(d)"),
+    dtensor=_ppermute_dtensor,
+)
 def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], *, group: GroupLike = None) -> Tensor:
     """Send `x` along the (src, dst) pairs of `perm` (JAX ``ppermute``).
 
@@ -557,7 +687,14 @@ def _broadcast_dtensor(ax: MeshAxis, src: int) -> Tensor:
     return ax.wrap(y, Replicate())
 
 
-@entry("broadcast", dtensor=_broadcast_dtensor)
+@entry(
+    "broadcast",
+    EVEN,
+    header=Header(args=(Arg("src"), None), reads=NDIM_ONLY, check_only=True),
+    collectives=fixed({BC: 1}, {AR: 1}),
+    placements=("Replicate()", "Replicate()"),
+    dtensor=_broadcast_dtensor,
+)
 def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     """Every rank gets rank `src`'s `x`.
 
@@ -588,7 +725,13 @@ def broadcast(x: Tensor, src: int = 0, *, group: GroupLike = None) -> Tensor:
     return unwire(_prims.broadcast_p(wire(x), src, g.name, g.size, g.rank), x.dtype)
 
 
-@entry("reduce", refuse=Refusal("its result is on one rank", "funcoll.all_reduce(x)"))
+@entry(
+    "reduce",
+    EVEN,
+    header=Header(args=(REDUCE_OP, DST), reads=NDIM_ONLY, check_only=True),
+    collectives=fixed({AR: 1}, {BC: 1}),
+    refuse=Refusal("its result is on one rank", "funcoll.all_reduce(x)"),
+)
 def reduce(x: Tensor, dst: int, op: str = "sum", *, group: GroupLike = None) -> Tensor:
     """Reduce `x` over the ranks of `group` onto rank `dst` (``torch.distributed.reduce``, as a function).
 

@@ -24,6 +24,7 @@ from .._base._checks import (
     check_sizes,
     check_total,
     fresh,
+    tensor_split_sizes,
 )
 from .._base._config import checks_enabled
 from .._base._dtensor import MeshAxis
@@ -32,10 +33,30 @@ from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
-from .._collective._header import SIZE, WIDTH, check_agreement, exchange, given_sizes, host_sizes, row_sizes
+from .._collective._header import (
+    ARG0,
+    ARG1,
+    DIM,
+    DST,
+    SIZE,
+    STRATEGY,
+    WIDTH,
+    Arg,
+    Header,
+    Reader,
+    check_agreement,
+    check_given_lengths,
+    exchange,
+    given_sizes,
+    host_sizes,
+    row_sizes,
+    same_tails,
+    tails,
+)
 from .._collective._rows import ints_on
 from ._entry import Refusal, entry
 from ._region import gather_shards
+from ._spec import A2A, HEADER, RAGGED, Plan, plus, rows_plan
 
 __all__ = ["all_gather_list", "all_gather_ragged", "all_to_all_v", "gather", "scatter"]
 
@@ -86,8 +107,26 @@ def _gather_dtensor(
     return gather_shards(ax, ax.dim(dim), strategy)
 
 
+def _ragged_gather_plan(world: int, variant: str) -> Plan:
+    """gather, all_gather_list, all_gather_ragged: the header, then the rows; variant: the strategy, "dst" or "given"."""
+    if variant == "dst":  # one all_to_all to dst; no backward (inputs may not require grad)
+        return plus(HEADER, {A2A: 1}), None
+    if variant == "given":  # `sizes` passed in: no header
+        return rows_plan(world)
+    fw, bw = rows_plan(world, variant or "auto")
+    return plus(HEADER, fw), bw
+
+
+# A ragged gather's header: every rank's length along `dim` (then their min, max and sum).
+_GATHER_HEADER = Header(args=(None, STRATEGY), checks=(check_given_lengths,))
+
+
 @entry(
     "gather",
+    RAGGED,
+    header=Header(args=(DST, STRATEGY), checks=(check_given_lengths,)),
+    collectives=_ragged_gather_plan,
+    placements=("Shard(dim), dst=None", "Replicate()"),
     dtensor=_gather_dtensor,
     refuse=Refusal("with a `dst` its result is on one rank", "dst=None", when=lambda a: a["dst"] is not None),
 )
@@ -191,7 +230,37 @@ def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
         )
 
 
-@entry("scatter", refuse=Refusal("its input is one rank's tensor", "funcoll.split_forward_gather_backward"))
+def _scatter_sizes_agree(opname: str, rows: list[list[int]]) -> None:
+    """scatter's `sizes`, when given (ARG1): the same on every rank, summing to `src`'s length."""
+    if not rows[0][ARG1]:
+        return
+    same_tails(opname, rows, "ranks disagree on `sizes` ({detail})")
+    sizes, src = tails(rows)[0], rows[0][ARG0]
+    check_total(opname, "sizes", sizes, rows[src][SIZE], f"rank {src}'s x.shape[{rows[0][DIM]}]")
+
+
+def _scatter_plan(world: int, variant: str) -> Plan:
+    """`src`'s length in a header, then one all_to_all from src (backward: one back to src); "given": no header."""
+    return ({A2A: 1} if variant == "given" else plus(HEADER, {A2A: 1})), {A2A: 1}
+
+
+@entry(
+    "scatter",
+    RAGGED,
+    header=Header(
+        args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
+        # `src`'s length split as tensor_split does, each piece read on its own: compiled, each is
+        # then an unbacked symbol of its own, which the backward binds from its inputs (inductor
+        # 2.14 and 2.15 cannot bind an expression of one, such as `(u0 + 1) // 2`).
+        reads=Reader(
+            lambda rows, rank: tensor_split_sizes(rows[rows[0][ARG0]][SIZE], len(rows)), lambda w: w
+        ),
+        varying_dim="`dim`",
+        checks=(_scatter_sizes_agree,),
+    ),
+    collectives=_scatter_plan,
+    refuse=Refusal("its input is one rank's tensor", "funcoll.split_forward_gather_backward"),
+)
 def scatter(
     x: Tensor,
     src: int,
@@ -253,7 +322,7 @@ def scatter(
         # the list travels for every rank to check (a tensor as given: its entries may be unbacked)
         tail = sizes if isinstance(sizes, Tensor) else None if given is None else torch.tensor(list(given))
         _, ints = exchange("scatter", x, d, g, args=(src, int(given is not None)), sizes=tail)
-    sz = given if given is not None else ints  # exchanged: `src`'s length, split (`_header.SPLIT_SRC`)
+    sz = given if given is not None else ints  # exchanged: `src`'s length, split (scatter's Header)
     xm = wire(x).movedim(d, 0)
     if g.rank == src:
         torch._check(xm.shape[0] == sum(sz))
@@ -267,6 +336,9 @@ def scatter(
 
 @entry(
     "all_gather_list",
+    RAGGED,
+    header=_GATHER_HEADER,
+    collectives=_ragged_gather_plan,
     refuse=Refusal("its result is a list of the ranks' tensors", "funcoll.all_gather(x, dim)"),
 )
 def all_gather_list(
@@ -325,7 +397,14 @@ def _all_gather_ragged_dtensor(
     return y, ints_on(y.device, ax.sizes(d))
 
 
-@entry("all_gather_ragged", dtensor=_all_gather_ragged_dtensor)
+@entry(
+    "all_gather_ragged",
+    RAGGED,
+    header=_GATHER_HEADER,
+    collectives=_ragged_gather_plan,
+    placements=("Shard(dim)", "Replicate()"),
+    dtensor=_all_gather_ragged_dtensor,
+)
 def all_gather_ragged(
     x: Tensor,
     dim: int = 0,
@@ -401,8 +480,32 @@ def reduce_scatter_v(
     return y if dim == 0 else y.movedim(0, dim).contiguous()
 
 
+def _send_sizes_sum(opname: str, rows: list[list[int]]) -> None:
+    for i, (r, send) in enumerate(zip(rows, tails(rows), strict=True)):
+        if any(s < 0 for s in send) or sum(send) != r[SIZE]:
+            raise ValueError(
+                f"{opname}: rank {i} has `send_sizes`={send}, which must be {len(rows)} non-negative "
+                f"ints summing to x.shape[dim]={r[SIZE]}"
+            )
+
+
+def _all_to_all_v_plan(world: int, variant: str) -> Plan:
+    """variant "given": recv_sizes passed, nothing exchanged; else the sizes travel in a header."""
+    return ({A2A: 1} if variant == "given" else plus(HEADER, {A2A: 1})), {A2A: 1}
+
+
 @entry(
     "all_to_all_v",
+    RAGGED,
+    header=Header(
+        # this rank's send sizes, then what every rank sends it
+        reads=Reader(
+            lambda rows, rank: rows[rank][WIDTH : WIDTH + len(rows)] + [r[WIDTH + rank] for r in rows],
+            lambda w: 2 * w,
+        ),
+        checks=(_send_sizes_sum,),
+    ),
+    collectives=_all_to_all_v_plan,
     refuse=Refusal("it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged"),
 )
 def all_to_all_v(

@@ -24,8 +24,20 @@ from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
 from .._base._wire import unwire, wire
 from .._collective import _faults, _prims
-from .._collective._header import GRAD_SCALES, check_agreement, given_sizes, row_sizes
+from .._collective._header import (
+    GRAD_SCALES,
+    NDIM_ONLY,
+    STRATEGY,
+    Arg,
+    Header,
+    check_agreement,
+    check_given_lengths,
+    given_sizes,
+    named,
+    row_sizes,
+)
 from ._entry import entry
+from ._spec import HEADER, REGION, plus, rows_plan
 
 __all__ = ["gather_forward_split_backward", "split_forward_gather_backward"]
 
@@ -136,7 +148,15 @@ def _split_forward_gather_backward_dtensor(ax: MeshAxis, dim: int, grad_scale: G
     return ax.wrap(y, Shard(d))
 
 
-@entry("split_forward_gather_backward", dtensor=_split_forward_gather_backward_dtensor)
+@entry(
+    "split_forward_gather_backward",
+    REGION,
+    header=Header(args=(Arg("dim"), Arg("grad_scale", named(GRAD_SCALES))), reads=NDIM_ONLY, check_only=True),
+    # backward: a ragged all-gather, its sizes known
+    collectives=lambda world, variant: ({}, rows_plan(world)[0]),
+    placements=("Replicate()", "Shard(dim)"),
+    dtensor=_split_forward_gather_backward_dtensor,
+)
 def split_forward_gather_backward(
     x: Tensor, group: GroupLike, dim: int, grad_scale: GradScale = None
 ) -> Tensor:
@@ -179,7 +199,15 @@ def _gather_forward_split_backward_dtensor(
     return gather_shards(ax, ax.dim(dim), scale=_check_grad_scale(ax.opname, grad_scale))
 
 
-@entry("gather_forward_split_backward", dtensor=_gather_forward_split_backward_dtensor)
+@entry(
+    "gather_forward_split_backward",
+    REGION,
+    header=Header(args=(None, STRATEGY), checks=(check_given_lengths,)),
+    # backward: this rank's piece, no collective
+    collectives=lambda world, variant: (plus(HEADER, rows_plan(world)[0]), {}),
+    placements=("Shard(dim)", "Replicate()"),
+    dtensor=_gather_forward_split_backward_dtensor,
+)
 def gather_forward_split_backward(
     x: Tensor,
     group: GroupLike,

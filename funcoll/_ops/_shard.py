@@ -28,8 +28,18 @@ from .._base._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_place
 from .._base._group import Group, mesh_dim_index, resolve_group
 from .._base._wire import unwire, wire
 from .._collective import _prims
-from .._collective._header import check_agreement, exchange, host_sizes
+from .._collective._header import (
+    NDIM_ONLY,
+    SIZE,
+    Header,
+    Reader,
+    check_agreement,
+    check_same_sizes,
+    exchange,
+    host_sizes,
+)
 from ._entry import Refusal, entry
+from ._spec import A2A, DTENSOR, HEADER, fixed, plus
 
 __all__ = ["from_ragged", "to_ragged"]
 
@@ -105,8 +115,20 @@ def _refuse_a_dtensor(opname: str, arg: str, x: object) -> None:
     raise TypeError(f"{opname}: `{arg}` is a DTensor already; from_ragged takes each rank's plain piece")
 
 
+def _chunk_moves(rows: list[list[int]], rank: int) -> list[int]:
+    """from_ragged's host ints: the sizes, their sum, then this rank's send and receive splits."""
+    sizes = [r[SIZE] for r in rows]
+    send, recv = moves(sizes, chunk_sizes(sum(sizes), len(rows)), rank)
+    return [*sizes, sum(sizes), *send, *recv]
+
+
 @entry(
     "from_ragged",
+    DTENSOR,
+    header=Header(reads=Reader(_chunk_moves, lambda w: 3 * w + 1), checks=(check_same_sizes,)),
+    # the sizes, then the rows that move
+    collectives=fixed(plus(HEADER, {A2A: 1}), {A2A: 1}),
+    placements=("a plain ragged piece", "Shard(dim)"),
     refuse=Refusal(raises=_refuse_a_dtensor),
     resolve=False,  # `group` is a mesh dim, read with the placements
 )
@@ -213,7 +235,15 @@ def _to_ragged_dtensor(ax: MeshAxis, sizes: Sequence[int] | Tensor) -> Tensor:
     return _move(local, d, send, recv, g)
 
 
-@entry("to_ragged", dtensor=_to_ragged_dtensor, resolve=False)  # a plain `x` is refused in the body
+@entry(
+    "to_ragged",
+    DTENSOR,
+    header=Header(reads=NDIM_ONLY, varying_dim="the Shard dim", checks=(check_same_sizes,), check_only=True),
+    collectives=fixed({A2A: 1}, {A2A: 1}),
+    placements=("Shard(d)", "a plain ragged piece"),
+    dtensor=_to_ragged_dtensor,
+    resolve=False,  # a plain `x` is refused in the body
+)
 def to_ragged(x: DTensor, sizes: Sequence[int] | Tensor, *, group: MeshLike | None = None) -> Tensor:
     """Give every rank ``sizes[rank]`` rows of a ``Shard(d)`` DTensor, in global order: from_ragged's inverse.
 

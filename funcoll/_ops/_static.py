@@ -29,7 +29,7 @@ from .._collective import _prims
 from .._collective._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
 from .._collective._rows import ints_on, pack
 from ._entry import Refusal, entry
-from ._spec import spec
+from ._spec import A2A, AG, RS, STATIC, fixed, spec
 
 __all__ = ["all_to_all_padded", "gather_padded"]
 
@@ -273,7 +273,13 @@ def _read_header(rows: Tensor, length: int) -> Tensor:
 _PADDED = "its result is padded to a static length"
 
 
-@entry("gather_padded", refuse=Refusal(_PADDED, "funcoll.all_gather(x, dim)"))
+@entry(
+    "gather_padded",
+    STATIC,
+    limit="x.shape[dim]",
+    collectives=fixed({AG: 1}, {RS: 1}),  # the padded rows, the counts header's rows after them
+    refuse=Refusal(_PADDED, "funcoll.all_gather(x, dim)"),
+)
 def gather_padded(
     x: Tensor, length: Tensor | int, dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
@@ -349,7 +355,13 @@ def gather_padded(
     return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
 
 
-@entry("all_to_all_padded", refuse=Refusal(_PADDED, "funcoll.all_to_all"))
+@entry(
+    "all_to_all_padded",
+    STATIC,
+    limit="x.shape[dim] // world",
+    collectives=fixed({A2A: 1}, {A2A: 1}),  # the blocks, the counts header's rows after each
+    refuse=Refusal(_PADDED, "funcoll.all_to_all"),
+)
 def all_to_all_padded(
     x: Tensor, send_sizes: Tensor | Sequence[int], dim: int = 0, *, group: GroupLike = None
 ) -> tuple[Tensor, Tensor]:
