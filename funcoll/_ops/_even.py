@@ -25,7 +25,7 @@ from .._base._checks import (
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
 from .._base._sym import prod
-from .._base._wire import unwire, wire, wire_op
+from .._base._wire import from_rows, to_rows, unwire, wire, wire_op
 from .._collective import _prims
 from .._collective._header import (
     ARG1,
@@ -141,7 +141,7 @@ def _all_gather(opname: str, x: Tensor, dim: int, g: Group, tiled: bool) -> Tens
         return gathered
     stacked = gathered.view(g.size, *x.shape)
     if not tiled:
-        return stacked if d == 0 else stacked.movedim(0, d).contiguous()
+        return from_rows(stacked, x.dtype, d)
     return _merge_rank_axis(stacked, d)
 
 
@@ -299,10 +299,10 @@ def reduce_scatter(
     if g.is_single:
         y = fresh(x)
     else:
-        xm = wire(x).movedim(d, 0)
-        y = unwire(_prims.reduce_scatter_p(xm, wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
-        if d != 0:  # dim 0: as it arrives, no view of an eager pending result
-            y = y.movedim(0, d).contiguous()
+        # dim 0: as it arrives, no view of an eager pending result
+        y = from_rows(
+            _prims.reduce_scatter_p(to_rows(x, d), wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype, d
+        )
     return y.squeeze(d) if not tiled else y
 
 
@@ -551,7 +551,7 @@ def all_to_all(
     if g.is_single:
         return fresh(x)
     mine = pieces[g.rank]
-    xm = wire(x).movedim(s, 0)  # (S, *R)
+    xm = to_rows(x, s)  # (S, *R)
     if widths is None or _static_equal(widths):  # every rank's rows have one shape
         z = _prims.all_to_all_p(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
         if s == 0 and gd == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)

@@ -31,7 +31,7 @@ from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
 from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
-from .._base._wire import unwire, wire, wire_op
+from .._base._wire import from_rows, to_rows, unwire, wire_op
 from .._collective import _prims
 from .._collective._header import (
     ARG0,
@@ -93,9 +93,8 @@ def ragged_all_gather(
 ) -> tuple[Tensor, Tensor | None]:
     """The sizes (exchanged, or given by :func:`given_sizes`), then the gather: (result, header table or None)."""
     sz, stats, table = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes)
-    y = _prims.gather_rows(wire(x).movedim(dim, 0), sz, strategy, g.name, g.size, g.rank, stats)
-    y = unwire(y, x.dtype)
-    return (y if dim == 0 else y.movedim(0, dim).contiguous()), table
+    y = _prims.gather_rows(to_rows(x, dim), sz, strategy, g.name, g.size, g.rank, stats)
+    return from_rows(y, x.dtype, dim), table
 
 
 def _gather_dtensor(
@@ -210,7 +209,7 @@ def gather(
         return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes)[0]
     sz, _, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
     _refuse_grad_to_dst(opname, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
-    xm = wire(x).movedim(d, 0)
+    xm = to_rows(x, d)
     n = sz[g.rank]
     torch._check(xm.shape[0] == n)
     send = [n if j == dst else 0 for j in range(g.size)]
@@ -218,8 +217,7 @@ def gather(
     got = _prims.all_to_all_p(xm, recv, send, g.name)
     if g.rank != dst:
         return None
-    got = unwire(got, x.dtype)
-    return got if d == 0 else got.movedim(0, d).contiguous()
+    return from_rows(got, x.dtype, d)
 
 
 def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
@@ -323,15 +321,14 @@ def scatter(
         tail = sizes if isinstance(sizes, Tensor) else None if given is None else torch.tensor(list(given))
         _, ints = exchange("scatter", x, d, g, args=(src, int(given is not None)), sizes=tail)
     sz = given if given is not None else ints  # exchanged: `src`'s length, split (scatter's Header)
-    xm = wire(x).movedim(d, 0)
+    xm = to_rows(x, d)
     if g.rank == src:
         torch._check(xm.shape[0] == sum(sz))
         send = list(sz)
     else:  # nothing of this rank's x travels: its gradient is zeros
         xm, send = xm[:0], [0] * g.size
     recv = [sz[g.rank] if j == src else 0 for j in range(g.size)]
-    got = unwire(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype)
-    return got if d == 0 else got.movedim(0, d).contiguous()
+    return from_rows(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype, d)
 
 
 @entry(
@@ -382,7 +379,7 @@ def all_gather_list(
     if g.is_single:
         return [fresh(x0)]
     sz, stats, _ = row_sizes("all_gather_list", x, d, g, (-1, strat), ndim, sizes)
-    pieces = _prims.gather_pieces(wire(x).movedim(d, 0), sz, strategy, g.name, g.size, g.rank, stats)
+    pieces = _prims.gather_pieces(to_rows(x, d), sz, strategy, g.name, g.size, g.rank, stats)
     pieces = [unwire(p, x.dtype).movedim(0, d) for p in pieces]
     return pieces if ndim is None else [p.reshape(()) for p in pieces]
 
@@ -474,10 +471,8 @@ def reduce_scatter_v(
         return fresh(x)
     x = check_agreement("reduce_scatter", x, g, dim, (REDUCE_OPS.index(reduce_op), 1), given)
     stats = (min_of(*given), max_of(*given), x.shape[dim])
-    xm, wop = wire(x).movedim(dim, 0), wire_op(reduce_op, x.dtype)
-    y = _prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats)
-    y = unwire(y, x.dtype)
-    return y if dim == 0 else y.movedim(0, dim).contiguous()
+    xm, wop = to_rows(x, dim), wire_op(reduce_op, x.dtype)
+    return from_rows(_prims.reduce_scatter_v_p(xm, given, wop, g.name, g.size, g.rank, stats), x.dtype, dim)
 
 
 def _send_sizes_sum(opname: str, rows: list[list[int]]) -> None:
@@ -550,7 +545,7 @@ def all_to_all_v(
     """
     opname, g = "funcoll.all_to_all_v", cast(Group, group)
     d = check_dim(opname, x, dim)
-    xm = wire(x).movedim(d, 0)
+    xm = to_rows(x, d)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):
             send_t = check_sizes(opname, "send_sizes", send_sizes, g.size)
@@ -579,8 +574,7 @@ def all_to_all_v(
                 raise ValueError(f"{opname}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
-    y = unwire(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype)
-    return (y if d == 0 else y.movedim(0, d).contiguous()), recv_t
+    return from_rows(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype, d), recv_t
 
 
 def _host_sizes_pair(

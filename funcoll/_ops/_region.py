@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._base._checks import IntLike, check_dim, fresh, tensor_split_sizes
 from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
-from .._base._wire import unwire, wire
+from .._base._wire import from_rows, to_rows, unwire
 from .._collective import _faults, _prims
 from .._collective._header import (
     GRAD_SCALES,
@@ -90,12 +90,11 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        gm = wire(_scaled(grad, ctx.scale, ctx.world)).movedim(ctx.dim, 0)
+        gm = to_rows(_scaled(grad, ctx.scale, ctx.world), ctx.dim)
         # the first pieces are the longest, and they add up to the input
         stats = (ctx.sizes[-1], ctx.sizes[0], ctx.total)
         full = _prims.gather_rows(gm, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, stats)
-        full = unwire(full, grad.dtype).movedim(0, ctx.dim).contiguous()
-        return full, None, None, None, None, None, None
+        return from_rows(full, grad.dtype, ctx.dim), None, None, None, None, None, None
 
 
 class _GatherForwardSplitBackward(torch.autograd.Function):
@@ -113,7 +112,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         strategy: str,
     ) -> Tensor:
         _faults.remember(ctx)
-        xm = wire(x).movedim(dim, 0)
+        xm = to_rows(x, dim)
         y = unwire(_prims.gather_rows(xm, sizes, strategy, group_name, world, rank, stats), x.dtype)
         if dim != 0:
             moved = y.movedim(0, dim)

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .._base._checks import IntLike, check_dim, check_equal, check_total, fresh
 from .._base._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_placement, moves, show
 from .._base._group import Group, mesh_dim_index, resolve_group
-from .._base._wire import unwire, wire
+from .._base._wire import from_rows, to_rows
 from .._collective import _prims
 from .._collective._header import (
     NDIM_ONLY,
@@ -47,8 +47,7 @@ MeshLike = DeviceMesh | tuple[DeviceMesh, int | str]
 
 
 def _move(x: Tensor, dim: int, send: list[IntLike], recv: list[IntLike], g: Group) -> Tensor:
-    y = unwire(_prims.all_to_all_p(wire(x).movedim(dim, 0), recv, send, g.name), x.dtype)
-    return y if dim == 0 else y.movedim(0, dim).contiguous()
+    return from_rows(_prims.all_to_all_p(to_rows(x, dim), recv, send, g.name), x.dtype, dim)
 
 
 def _given_sizes(

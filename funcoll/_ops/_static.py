@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from .._base._checks import IntLike, check_dim, check_sizes
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike
-from .._base._wire import unwire, wire
+from .._base._wire import from_rows, to_rows
 from .._collective import _prims
 from .._collective._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
 from .._collective._rows import ints_on, pack
@@ -344,15 +344,16 @@ def gather_padded(
     d = check_dim(opname, x, dim)
     bound = x.shape[d]
     mine = _counts_tensor(opname, "length", length, 1, bound, x.device, per_rank=False)
-    xm = wire(x).movedim(d, 0)
+    xm = to_rows(x, d)
     blocks, stride, table, zero_row = _move(
         opname, x, d, xm, mine, bound, g,
         lambda t: _prims.all_gather_p(t, g.name, g.size),
         lambda t, extra: _prims.all_gather_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
     sizes = table[:, 0]
-    y = unwire(pack(blocks, sizes, stride, g.size * bound, zero_row=zero_row), x.dtype)
-    return (y if d == 0 else y.movedim(0, d).contiguous()), sizes.clone()
+    return from_rows(
+        pack(blocks, sizes, stride, g.size * bound, zero_row=zero_row), x.dtype, d
+    ), sizes.clone()
 
 
 @entry(
@@ -431,7 +432,7 @@ def all_to_all_padded(
     torch._check(rows % g.size == 0)
     cap = rows // g.size
     send = _counts_tensor(opname, "send_sizes", send_sizes, g.size, cap, x.device, per_rank=True)
-    xm = wire(x).movedim(d, 0)
+    xm = to_rows(x, d)
     split = [cap] * g.size
     blocks, stride, table, zero_row = _move(
         opname, x, d, xm, send, cap, g,
@@ -439,5 +440,5 @@ def all_to_all_padded(
         lambda t, extra: _prims.all_to_all_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
     recv_sizes = table[:, g.rank]  # rank i's count for this rank
-    y = unwire(pack(blocks, recv_sizes, stride, g.size * cap, zero_row=zero_row), x.dtype)
-    return (y if d == 0 else y.movedim(0, d).contiguous()), recv_sizes.clone()
+    y = pack(blocks, recv_sizes, stride, g.size * cap, zero_row=zero_row)
+    return from_rows(y, x.dtype, d), recv_sizes.clone()
