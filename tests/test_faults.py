@@ -200,6 +200,8 @@ def test_op_fails_naming_funcoll_op(op: str, fault: str, checks: bool, names: st
     assert took < BOUND_S, f"the failure took {took:.0f}s"
     error = _funcoll_error(_survivors(message, 2)[0])
     assert error.startswith(names) and "The backend said: " in error, error
+    # With checks off the survivors are told how to get funcoll's own error instead.
+    assert ("funcoll.set_checks(True) or FUNCOLL_CHECKS=1" in error) == (not checks), error
     if fault == "stays_away":
         assert "Timed out" in error, error
         assert "ValueError: rank 1 never called the op" in message, message

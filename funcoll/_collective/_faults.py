@@ -155,11 +155,19 @@ def failed(
     runs after the op has returned.
     """
     at = f" in {step}" if step else ""
+    # With checks off, ranks that passed different shapes or dtypes pair mismatched buffers:
+    # the backend aborts one of them and the others end here. Say how to get funcoll's error.
+    hint = (
+        ""
+        if checks_enabled()
+        else " Ranks that pass an op different shapes, dtypes or sizes end this way: with "
+        "funcoll.set_checks(True) or FUNCOLL_CHECKS=1, every rank raises funcoll's ValueError naming what differs."
+    )
     message = (
         f"{_op_name(traced, op)}: the {collective}{at} on {_where(group_name)} failed. The backend said: {error}. "
         f"If that is about a peer (a closed connection, a timeout), a rank of the group died, raised before "
         f"this op, or never called it: find the first error in the other ranks' logs. Otherwise the backend "
-        f"refused this rank's tensor (a dtype or device it does not support)."
+        f"refused this rank's tensor (a dtype or device it does not support).{hint}"
     )
     try:
         return type(error)(message)

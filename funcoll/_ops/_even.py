@@ -504,10 +504,16 @@ def all_to_all(
     gather dim may differ between ranks when every rank passes `gather_sizes`:
     rank i holds ``gather_sizes[i]`` along it. Both lists are the same on every
     rank and known without communicating, so nothing is exchanged. Ulysses
-    attention with H heads that world does not divide goes both ways::
+    attention goes both ways with a sequence length S and H heads that world
+    need not divide (rank r holds ``S_r = split_sizes(S, w)[r]`` positions and
+    gets ``H_r = split_sizes(H, w)[r]`` heads)::
 
-        o = all_to_all(q, g, 2, 1)                                  # (B, S/w, H, D) -> (B, S, H_r, D)
-        q = all_to_all(o, g, 1, 2, gather_sizes=split_sizes(H, w))  # and back
+        s_sizes, h_sizes = split_sizes(S, w), split_sizes(H, w)
+        o = all_to_all(q, g, 2, 1, gather_sizes=s_sizes)  # (B, S_r, H, D) -> (B, S, H_r, D)
+        q = all_to_all(o, g, 1, 2, scatter_sizes=s_sizes, gather_sizes=h_sizes)  # and back
+
+    Without `gather_sizes` on the way in, ranks holding different S_r pair
+    mismatched buffers (a backend abort, or funcoll's ValueError under checks).
 
     Args:
         x: every dim but `gather_dim` the same on every rank, and the dtype.
@@ -543,6 +549,9 @@ def all_to_all(
         # 3 heads on 2 ranks, back from heads to sequence (scatter_dim=0, gather_dim=1):
         # rank 0: x = [[1, 2], [5, 6]]  rank 1: x = [[3], [7]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 0, 1, gather_sizes=[2, 1])  # rank 0: [[1, 2, 3]]  rank 1: [[5, 6, 7]]
+        # a sequence of 3 on 2 ranks, to heads (scatter_dim=1, gather_dim=0):
+        # rank 0: x = [[1, 2], [3, 4]]  rank 1: x = [[5, 6]]   (gather_sizes=[2, 1])
+        all_to_all(x, None, 1, 0, gather_sizes=[2, 1])  # rank 0: [[1], [3], [5]]  rank 1: [[2], [4], [6]]
     """
     g = cast(Group, group)
     s, gd, pieces, widths = _all_to_all_args(x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
