@@ -39,8 +39,8 @@ HOLE = "…"  # any other formatted field
 
 # Helpers whose message is completed at each call site by the parameters named here.
 EXPANDED: dict[str, tuple[str, ...]] = {
-    "_disagree": ("what",),  # _header: f"{opname}: ranks disagree on {what} ({detail})"
-    "_same_tails": ("message",),  # _header: f"{opname}: {message.format(...)}"
+    "disagree": ("what",),  # _header: f"{opname}: ranks disagree on {what} ({detail})"
+    "same_tails": ("message",),  # _header: f"{opname}: {message.format(...)}"
     "check_equal": ("traced", "eager"),  # _checks: torch._check(..., lambda: traced) / ValueError(eager())
 }
 # Functions that return an exception for their caller to raise; their own messages are read where
