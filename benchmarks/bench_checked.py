@@ -20,16 +20,25 @@ the same count on every rank, and the step is one op:
   checks.
 
 The two results are compared before timing.
+
+The default setting (neither on nor off) checks an op's eager calls 1, 2, 4, 8,
+... on each group. ``_bench_default`` measures what that costs a run of eager calls
+(``--steps``, 1,000 by default): each round runs them once at the default on a
+new group, whose count starts at 0, so that every one of its checks is paid, and
+once with ``set_checks(False)`` on another new group, interleaved; a row's time
+is the median per call over rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _timing import fenced_median  # benchmarks/, beside this script
 
 import funcoll
@@ -82,22 +91,66 @@ def _bench(rank: int, world: int, kib: list[int], rounds: int, iters: int) -> li
     return rows
 
 
+EAGER: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    "all_gather": lambda x, g: funcoll.all_gather(x, group=g),
+    "all_to_all": lambda x, g: funcoll.all_to_all(x, g, 0, 1),
+}
+
+
+def _run_of_calls(op: str, x: torch.Tensor, checks: bool | None, steps: int) -> float:
+    """Seconds per call of `steps` eager calls of `op` on a new group (its check count starts at 0)."""
+    g = dist.new_group(list(range(dist.get_world_size())))
+    call = EAGER[op]
+    with funcoll.set_checks(checks):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            funcoll.wait(call(x, g))
+        dist.barrier()
+        return (time.perf_counter() - t0) / steps
+
+
+def _bench_default(rank: int, world: int, kib: list[int], rounds: int, steps: int) -> list[dict[str, Any]]:
+    """Eager calls at the default setting against set_checks(False): a row per op and size."""
+    rows = []
+    for op in EAGER:
+        for size in kib:
+            x = torch.randn(max(world, size // 4 // world * world), ROW)  # size KiB, rows of 4 KiB
+            off, on = [], []
+            for _ in range(rounds):  # interleaved: drift hits both alike
+                off.append(_run_of_calls(op, x, False, steps))
+                on.append(_run_of_calls(op, x, None, steps))
+            ratios = [b / a for a, b in zip(off, on, strict=True)]
+            rows.append(
+                {
+                    "op": f"{op} eager, {steps} calls",
+                    "kib": size,
+                    "off_ms": 1e3 * statistics.median(off),
+                    "on_ms": 1e3 * statistics.median(on),
+                    "spread": (min(ratios), max(ratios)),
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kib", type=int, nargs="+", default=[64, 1024, 16384], help="payload per rank")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=5, help="fenced calls per round (median)")
+    parser.add_argument("--steps", type=int, default=1000, help="eager calls per run at the default setting")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 KiB, 1 round: a smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.worlds, args.kib, args.rounds, args.iters = [2], [64], 1, 1
+        args.worlds, args.kib, args.rounds, args.iters, args.steps = [2], [64], 1, 1, 16
     print(f"torch {torch.__version__}, gloo on CPU, compiled (inductor), rows of {ROW} float32")
     print("| world | op | KiB per rank | unchecked ms | checked ms | checked / unchecked | spread |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for world in args.worlds:
         res = run_ranks(_bench, world, args.kib, args.rounds, args.iters, timeout=3600)
-        for row in res[0]:
+        eager = run_ranks(_bench_default, world, args.kib, args.rounds, args.steps, timeout=3600)
+        for row in res[0] + eager[0]:
             lo, hi = row["spread"]
             print(
                 f"| {world} | {row['op']} | {row['kib']} | {row['off_ms']:.2f} | {row['on_ms']:.2f} "

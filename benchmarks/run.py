@@ -28,7 +28,9 @@ Families (each one's own script documents its methods):
   ``FuncollTokenDispatcher`` (exact, static, dropless), eager and compiled, up to 4096
   tokens per rank (its bf16 grouped GEMMs on the CPU take seconds past that);
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
-  ``funcoll.set_checks(True)`` against the same step unchecked;
+  ``funcoll.set_checks(True)`` against the same step unchecked; and 1,000 eager
+  all_gathers and all_to_alls at the default setting (calls 1, 2, 4, ... checked),
+  impl ``default``, against the same calls with ``set_checks(False)``;
 - ``overlap`` (``bench_overlap.py``): a step that issues a collective, runs
   independent work (a sleeping custom op, or a matmul), then reads the result:
   the fraction of the collective it hides and its time against funcol's same
@@ -233,9 +235,13 @@ def _checked(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: 
     for world in worlds:
         res = run_ranks(on.wrap(bench_checked._bench), world, [int(k) for k in kibs], rounds, iters,
                         timeout=3600, backend=on.backend)  # fmt: skip
-        for row in res[0]:
-            gathered = world * row["kib"] * 1024  # both ops' output: every rank's rows
-            for impl, ms in (("unchecked", row["off_ms"]), ("checked", row["on_ms"])):
+        # eager calls at the default setting (calls 1, 2, 4, ... checked) against none checked
+        steps = 16 if on.quick else 1000
+        eager = run_ranks(on.wrap(bench_checked._bench_default), world, [int(k) for k in kibs], rounds, steps,
+                          timeout=3600, backend=on.backend)  # fmt: skip
+        for row, on_impl in [(r, "checked") for r in res[0]] + [(r, "default") for r in eager[0]]:
+            gathered = world * row["kib"] * 1024  # all_gather's output: every rank's rows
+            for impl, ms in (("unchecked", row["off_ms"]), (on_impl, row["on_ms"])):
                 records.append({
                     "family": "checked", "world": world, "layout": row["op"], "bytes": row["kib"] * 1024,
                     "impl": impl, "seconds": ms / 1e3, "ratio": ms / row["off_ms"],

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 import funcoll
 from funcoll import moe
-from funcoll.testing import launch
+from funcoll.testing import launch, print_line
 
 HIDDEN, FFN, E_LOCAL, K, STEPS, LR = 8, 16, 2, 2, 6, 0.5
 
@@ -124,6 +124,13 @@ def run(rank: int, world: int, backend: str = "inductor") -> dict[str, object]:
     policy = moe.Dropless(capacity=4)  # small on purpose: the first step overflows and it grows
     layer = MoELayer(parameters(world), rank, world, policy)
     step_fn = torch.compile(lambda x: loss_of(layer(x)), fullgraph=True, backend=backend)
+    if rank == 0:
+        print_line(
+            f"moe_layer: compiling the forward ({backend}; on a CPU inductor takes about 10 s a graph). "
+            f"Expect 4 graphs a rank (3 recompiles), by design: one static graph for each capacity the "
+            f"Dropless policy tries (it starts small on purpose and grows after each overflow) and the exact "
+            f"one it reruns an overflowed step with"
+        )
     losses = []
     for step in range(STEPS):
         loss = policy.run(step_fn, funcoll.mark_ragged(tokens(step, rank), 0))
@@ -145,7 +152,7 @@ def run(rank: int, world: int, backend: str = "inductor") -> dict[str, object]:
     torch.testing.assert_close(layer.w2.detach(), ref["w2"][mine])
     assert policy.replays >= 1, "the first step should have overflowed capacity 4"
     if rank == 0:
-        print(
+        print_line(
             f"moe_layer: {world} ranks, {STEPS} steps, losses {[round(v, 4) for v in losses]} equal one process; "
             f"the policy reran {policy.replays} overflowed step(s) exactly and grew its capacity to {policy.capacity}"
         )

@@ -62,6 +62,7 @@ __all__ = [
     "group_of",
     "in_flight",
     "launch",
+    "print_line",
     "recording_backend",
     "run_ranks",
     "settled",
@@ -372,6 +373,21 @@ def launch(
         print(e, file=sys.stderr)
         return 1
     return 0
+
+
+def print_line(text: str) -> None:
+    """Print `text` as one whole line, in one write to stdout, flushed.
+
+    ``print`` writes the text and its newline separately, and when stdout is not
+    buffered (``python -u``, ``PYTHONUNBUFFERED=1``) ranks that share it, under
+    torchrun or :func:`run_ranks`, can cut each other's lines
+    (``...match one processrank 1: ...``). One write of a line shorter than the
+    pipe's atomic size (4 KiB on Linux) lands whole. The examples print with it. ::
+
+        print_line(f"rank {rank}: {n} tokens")
+    """
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:

@@ -19,6 +19,7 @@ import torch
 from _inputs import once_per_world
 
 import funcoll
+import funcoll.testing
 
 WORLDS = (2, 3)
 TIMEOUT_S = 120.0
@@ -121,8 +122,74 @@ def _agreeing(rank: int, world: int) -> dict[str, torch.Tensor]:
     }
 
 
+# The default (no set_checks): the mistakes that kill a rank unchecked raise on the first call.
+DEFAULT_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
+    "all_gather-shape": (
+        lambda r, w: funcoll.all_gather(_z(2 + _last(r, w), 3)),
+        ["funcoll.all_gather:", "the shape of `x` (", "shape (2, 3)", "shape (3, 3)"],
+    ),
+    "all_reduce-dtype": (
+        lambda r, w: funcoll.all_reduce(_z(4, dtype=torch.float64 if _last(r, w) else torch.float32)),
+        ["funcoll.all_reduce:", "`x`.dtype", "float64"],
+    ),
+    # Ulysses on a sequence of 2w + 1 (uneven S/w shards) without `gather_sizes` on the way in
+    "all_to_all-uneven-sequence": (
+        lambda r, w: funcoll.all_to_all(_z(1, funcoll.split_sizes(2 * w + 1, w)[r], w, 2), None, 2, 1),
+        ["funcoll.all_to_all:", "length along gather_dim 1", "pass the same `gather_sizes`"],
+    ),
+}
+CALLS = 20  # calls 1, 2, 4, 8 and 16 are checked by default
+SCHEDULE = [n for n in range(1, CALLS + 1) if n & (n - 1) == 0]
+
+
+def _checked_calls(group: Any) -> list[int]:
+    """The call numbers, of CALLS agreeing all_gathers on `group`, that read a header on the host."""
+    read = []
+    for n in range(1, CALLS + 1):
+        with funcoll.testing.count_host_reads() as reads:
+            funcoll.all_gather(torch.ones(2, 3), group=group)
+        if reads.count:
+            read.append(n)
+    return read
+
+
+def _default(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cid, (call, _) in DEFAULT_MISTAKES.items():
+        try:
+            call(rank, world)
+            out[cid] = ("no error", "")
+        except Exception as e:  # noqa: BLE001 -- the test reads what was raised
+            out[cid] = (type(e).__name__, str(e))
+    # Ulysses both ways on that sequence, with the sizes: the global result, heads split
+    s_sizes, h_sizes = funcoll.split_sizes(2 * world + 1, world), funcoll.split_sizes(world + 1, world)
+    q = torch.arange(float(s_sizes[rank] * (world + 1))).reshape(1, s_sizes[rank], world + 1, 1) + 100 * rank
+    o = funcoll.all_to_all(q, None, 2, 1, gather_sizes=s_sizes)
+    out["ulysses"] = (o, funcoll.all_to_all(o, None, 1, 2, scatter_sizes=s_sizes, gather_sizes=h_sizes))
+    out["schedule"] = _checked_calls(torch.distributed.new_group(list(range(world))))
+    with funcoll.set_checks(False):
+        out["off"] = _checked_calls(torch.distributed.new_group(list(range(world))))
+    out["fallback"] = _fallback(rank)  # last: after it, this process checks no eager call
+    return out
+
+
+def _fallback(rank: int) -> tuple[list[torch.Tensor], int]:
+    """Every rank runs a compiled all_gather once; then rank 0 runs it eagerly (a frame that fell
+    back) while the others run it compiled: rank 0 checks none of its calls, so the ranks stay paired."""
+    g = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
+    compiled = torch.compile(lambda x: funcoll.all_gather(x, group=g), backend="eager", fullgraph=True)
+    x = torch.full((2, 3), float(rank))
+    got = [funcoll.wait(compiled(x))]
+    step = (lambda x: funcoll.all_gather(x, group=g)) if rank == 0 else compiled
+    with funcoll.testing.count_host_reads() as reads:
+        got += [funcoll.wait(step(x)) for _ in range(3)]
+    return got, reads.count
+
+
 def run_body(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    with funcoll.set_checks(None):
+        out["default"] = _default(rank, world)
     with funcoll.set_checks(True):
         out["enabled"] = funcoll.checks_enabled()
         for cid, (call, _) in MISMATCHES.items():
@@ -174,6 +241,58 @@ def test_set_checks_restores_and_rejects_non_bools() -> None:
     with funcoll.set_checks(not before):
         assert funcoll.checks_enabled() is (not before)
     assert funcoll.checks_enabled() is before
-    with pytest.raises(TypeError, match=r"funcoll.set_checks: `enabled` must be a bool, got int"):
+    with funcoll.set_checks(None):  # the default: not every call
+        assert funcoll.checks_enabled() is False
+    assert funcoll.checks_enabled() is before
+    with pytest.raises(TypeError, match=r"funcoll.set_checks: `enabled` must be a bool or None, got int"):
         funcoll.set_checks(1)  # type: ignore[arg-type]
     assert funcoll.checks_enabled() is before
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cid", list(DEFAULT_MISTAKES))
+def test_by_default_the_first_call_raises_on_every_rank(world: int, cid: str) -> None:
+    """No set_checks: the mistakes that abort a rank unchecked raise funcoll's ValueError on every rank."""
+    results = batch(world)
+    for r in range(world):
+        kind, msg = results[r]["default"][cid]
+        assert kind == "ValueError", f"rank {r}: {kind}: {msg}"
+        for fragment in DEFAULT_MISTAKES[cid][1]:
+            assert fragment in msg, f"rank {r}: {fragment!r} not in {msg!r}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_by_default_calls_1_2_4_8_are_checked_and_off_none(world: int) -> None:
+    results = batch(world)
+    for r in range(world):
+        assert results[r]["default"]["schedule"] == SCHEDULE, results[r]["default"]["schedule"]
+        assert results[r]["default"]["off"] == [], results[r]["default"]["off"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ulysses_on_a_sequence_the_world_does_not_divide(world: int) -> None:
+    """(B, S_r, H, D) -> (B, S, H_r, D) and back, S = 2w + 1 and H = w + 1: the global tensor, then the input."""
+    results = batch(world)
+    s_sizes, h_sizes = funcoll.split_sizes(2 * world + 1, world), funcoll.split_sizes(world + 1, world)
+    qs = [
+        torch.arange(float(s_sizes[r] * (world + 1))).reshape(1, s_sizes[r], world + 1, 1) + 100 * r
+        for r in range(world)
+    ]
+    full = torch.cat(qs, 1)  # (1, S, H, 1)
+    heads = torch.split(full, h_sizes, 2)
+    for r in range(world):
+        o, back = results[r]["default"]["ulysses"]
+        torch.testing.assert_close(o, heads[r])
+        torch.testing.assert_close(back, qs[r])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_by_default_no_eager_call_is_checked_once_compiled_code_has_run(world: int) -> None:
+    """A rank that falls back to eager after compiled graphs ran meets the compiled ranks unchecked."""
+    results = batch(world)
+    want = torch.cat([torch.full((2, 3), float(r)) for r in range(world)])
+    for r in range(world):
+        got, reads = results[r]["default"]["fallback"]
+        assert reads == 0, f"rank {r} read {reads} headers"
+        for y in got:
+            torch.testing.assert_close(y, want)

@@ -69,3 +69,10 @@ def test_example_script_runs_without_a_launcher() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("every rank has") == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_is_listed_in_the_readme_and_shown_in_the_docs(name: str) -> None:
+    """README.md names every example, and docs/examples.md includes its whole text."""
+    assert f"`examples/{name}`" in (ROOT / "README.md").read_text(), name
+    assert f'--8<-- "examples/{name}"' in (ROOT / "docs" / "examples.md").read_text(), name

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import funcoll
-from funcoll.testing import RankError, gloo_worker_threads, run_ranks
+from funcoll.testing import RankError, gloo_worker_threads, print_line, run_ranks
 
 TIMEOUT_S = 60.0
 
@@ -162,3 +162,23 @@ def test_code_collectives_refuses_an_input_freed_before_its_wait() -> None:
     # The input freed after the wait, as inductor orders it when the wait takes the input.
     calls = code_collectives(_CALL.format(between="", sent="buf87, ", after=freed))
     assert [c.op for c in calls] == ["all_gather_into_tensor", "all_to_all_single"]
+
+
+def test_print_line_writes_the_whole_line_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One write of the text and its newline, then a flush: ranks sharing stdout cannot cut the line."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(("write", text))
+            return len(text)
+
+        def flush(self) -> None:
+            self.calls.append(("flush", ""))
+
+    out = Recorder()
+    monkeypatch.setattr("sys.stdout", out)
+    print_line("rank 1: 8 tokens")
+    assert out.calls == [("write", "rank 1: 8 tokens\n"), ("flush", "")]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
-from .._base._config import checks_enabled
+from .._base._config import check_due, checks_enabled
 from .._base._group import Group, group_of, rank_of, size_of
 from .._base._strategy import STRATEGIES
 from .._base._sym import Stats, max_of, min_of
@@ -477,13 +477,13 @@ def check_agreement(
     args: tuple[int, int] = (0, 0),
     sizes: Sequence[IntLike] | None = None,
 ) -> Tensor:
-    """With ``funcoll.set_checks(True)``: exchange a header, raise on every rank if the ranks disagree.
+    """On a checked call (:func:`~funcoll._base._config.check_due`): exchange a header, raise on every rank if the ranks disagree.
 
     For the even ops, before their data moves. `dim` is a dim whose length may
     differ between ranks (all_to_all's gather dim), None when every dim must
     agree; `args` the op's arguments that must agree, `sizes` what the op expects
     every rank's length along `dim` to be. Costs one small all_gather and one
-    device-to-host read; does nothing with checks off or on one rank.
+    device-to-host read; does nothing on an unchecked call or on one rank.
 
     Returns `x`, for the op to send. In a compiled graph that is `x` minus a
     number the check's read returns, zero at run time (the read raised otherwise)
@@ -494,7 +494,7 @@ def check_agreement(
     It costs one pass over the payload, fused into the op that produces it where
     there is one.
     """
-    if not checks_enabled() or g.is_single:
+    if g.is_single or not check_due(key, g.name):
         return x
     tail = None if sizes is None else torch.tensor(list(sizes), dtype=torch.int64)
     _, ints = exchange(key, x, dim, g, args, tail)
