@@ -75,7 +75,9 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert all(math.isfinite(r["hidden"]) and r["seconds"] > 0 for r in overlap), overlap  # quick: no meaning
     assert all(math.isfinite(r["exposed_seconds"]) for r in overlap), overlap
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
-    assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")}
+    assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")} | {
+        (f"{op} eager, 16 calls", c) for op in ("all_gather", "all_to_all") for c in ("default", "unchecked")
+    }
 
 
 def _table(script: str, *args: str) -> list[list[str]]:

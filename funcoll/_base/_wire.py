@@ -3,9 +3,8 @@
 Not every backend carries bool, so a bool tensor travels as its uint8 view, and a
 reduction over bools runs as the uint8 reduction that means the same (or is
 max, and is min). Every op wraps its data in :func:`wire` before a collective
-and takes it back with :func:`unwire`; an op that moves rows along a dim takes
-both steps, and the move of that dim to the front and back, with :func:`to_rows`
-and :func:`from_rows`.
+and takes it back with :func:`unwire` (an op that moves rows along a dim takes
+both steps with ``_collective._rows.to_rows`` and ``from_rows``).
 """
 
 from __future__ import annotations
@@ -29,18 +28,3 @@ def wire(x: Tensor) -> Tensor:
 def unwire(y: Tensor, dtype: torch.dtype) -> Tensor:
     """A collective's result back in the input's `dtype` (the inverse of :func:`wire`)."""
     return y.view(torch.bool) if dtype == torch.bool else y
-
-
-def to_rows(x: Tensor, dim: int) -> Tensor:
-    """`x` as a collective moves it along `dim`: in its wire dtype, `dim` first (a view, no copy)."""
-    return wire(x).movedim(dim, 0)
-
-
-def from_rows(y: Tensor, dtype: torch.dtype, dim: int) -> Tensor:
-    """A result in :func:`to_rows`' layout back in `dtype`, its rows along `dim`.
-
-    Contiguous, so that a user's in-place op or ``.view`` works; with `dim` 0 the
-    collective's own output, uncopied.
-    """
-    y = unwire(y, dtype)
-    return y if dim == 0 else y.movedim(0, dim).contiguous()

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .._base._checks import IntLike
+from .._base._wire import unwire, wire
 
 
 def row_kernels(t: Tensor) -> ModuleType | None:
@@ -188,3 +189,18 @@ def ints_on(device: torch.device, ints: Sequence[IntLike]) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.tensor(ints, dtype=torch.int64, device=device)
     return torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def to_rows(x: Tensor, dim: int) -> Tensor:
+    """`x` as a collective moves it along `dim`: in its wire dtype, `dim` first (a view, no copy)."""
+    return wire(x).movedim(dim, 0)
+
+
+def from_rows(y: Tensor, dtype: torch.dtype, dim: int) -> Tensor:
+    """A result in :func:`to_rows`' layout back in `dtype`, its rows along `dim`.
+
+    Contiguous, so that a user's in-place op or ``.view`` works; with `dim` 0 the
+    collective's own output, uncopied.
+    """
+    y = unwire(y, dtype)
+    return y if dim == 0 else y.movedim(0, dim).contiguous()

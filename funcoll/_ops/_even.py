@@ -25,7 +25,7 @@ from .._base._checks import (
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
 from .._base._sym import prod
-from .._base._wire import from_rows, to_rows, unwire, wire, wire_op
+from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
 from .._collective._header import (
     ARG1,
@@ -45,6 +45,7 @@ from .._collective._header import (
     tails,
     with_stats,
 )
+from .._collective._rows import from_rows, to_rows
 from ._entry import Refusal, entry
 from ._ragged import reduce_scatter_v
 from ._region import gather_shards

@@ -31,7 +31,7 @@ from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
 from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
-from .._base._wire import from_rows, to_rows, unwire, wire_op
+from .._base._wire import unwire, wire_op
 from .._collective import _prims
 from .._collective._header import (
     ARG0,
@@ -53,7 +53,7 @@ from .._collective._header import (
     same_tails,
     tails,
 )
-from .._collective._rows import ints_on
+from .._collective._rows import from_rows, ints_on, to_rows
 from ._entry import Refusal, entry
 from ._region import gather_shards
 from ._spec import A2A, HEADER, RAGGED, Plan, plus, rows_plan

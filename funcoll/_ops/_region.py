@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._base._checks import IntLike, check_dim, fresh, tensor_split_sizes
 from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
-from .._base._wire import from_rows, to_rows, unwire
+from .._base._wire import unwire
 from .._collective import _faults, _prims
 from .._collective._header import (
     GRAD_SCALES,
@@ -36,6 +36,7 @@ from .._collective._header import (
     named,
     row_sizes,
 )
+from .._collective._rows import from_rows, to_rows
 from ._entry import entry
 from ._spec import HEADER, REGION, plus, rows_plan
 

@@ -26,7 +26,6 @@ from torch.distributed.tensor.placement_types import Placement
 from .._base._checks import IntLike, check_dim, check_equal, check_total, fresh
 from .._base._dtensor import MeshAxis, chunk_sizes, contiguous_strides, is_placement, moves, show
 from .._base._group import Group, mesh_dim_index, resolve_group
-from .._base._wire import from_rows, to_rows
 from .._collective import _prims
 from .._collective._header import (
     NDIM_ONLY,
@@ -38,6 +37,7 @@ from .._collective._header import (
     exchange,
     host_sizes,
 )
+from .._collective._rows import from_rows, to_rows
 from ._entry import Refusal, entry
 from ._spec import A2A, DTENSOR, HEADER, fixed, plus
 

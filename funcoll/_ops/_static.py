@@ -24,10 +24,9 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from .._base._checks import IntLike, check_dim, check_sizes
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike
-from .._base._wire import from_rows, to_rows
 from .._collective import _prims
 from .._collective._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
-from .._collective._rows import ints_on, pack
+from .._collective._rows import from_rows, ints_on, pack, to_rows
 from ._entry import Refusal, entry
 from ._spec import A2A, AG, RS, STATIC, fixed, spec
 
