@@ -57,6 +57,18 @@ def _timed(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, checks
         return fenced_median(lambda: step(x), iters)
 
 
+def _row(op: str, kib: int, off: list[float], on: list[float]) -> dict[str, Any]:
+    """A row: the median seconds of each setting over rounds, and the range of the per-round ratios."""
+    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    return {
+        "op": op,
+        "kib": kib,
+        "off_ms": 1e3 * statistics.median(off),
+        "on_ms": 1e3 * statistics.median(on),
+        "spread": (min(ratios), max(ratios)),
+    }
+
+
 def _bench(rank: int, world: int, kib: list[int], rounds: int, iters: int) -> list[dict[str, Any]]:
     rows = []
     for op, step in STEPS.items():
@@ -78,16 +90,7 @@ def _bench(rank: int, world: int, kib: list[int], rounds: int, iters: int) -> li
             for _ in range(rounds):  # interleaved: drift hits both alike
                 off.append(_timed(compiled, x, False, iters))
                 on.append(_timed(compiled, x, True, iters))
-            ratios = [b / a for a, b in zip(off, on, strict=True)]
-            rows.append(
-                {
-                    "op": op,
-                    "kib": size,
-                    "off_ms": 1e3 * statistics.median(off),
-                    "on_ms": 1e3 * statistics.median(on),
-                    "spread": (min(ratios), max(ratios)),
-                }
-            )
+            rows.append(_row(op, size, off, on))
     return rows
 
 
@@ -120,16 +123,7 @@ def _bench_default(rank: int, world: int, kib: list[int], rounds: int, steps: in
             for _ in range(rounds):  # interleaved: drift hits both alike
                 off.append(_run_of_calls(op, x, False, steps))
                 on.append(_run_of_calls(op, x, None, steps))
-            ratios = [b / a for a, b in zip(off, on, strict=True)]
-            rows.append(
-                {
-                    "op": f"{op} eager, {steps} calls",
-                    "kib": size,
-                    "off_ms": 1e3 * statistics.median(off),
-                    "on_ms": 1e3 * statistics.median(on),
-                    "spread": (min(ratios), max(ratios)),
-                }
-            )
+            rows.append(_row(f"{op} eager, {steps} calls", size, off, on))
     return rows
 
 

@@ -30,7 +30,15 @@ SECTIONS = [
     (
         "funcoll.testing",
         funcoll.testing,
-        ["run_ranks", "in_flight", "settled", "launch", "print_line", "recording_backend", "count_host_reads"],
+        [
+            "run_ranks",
+            "in_flight",
+            "settled",
+            "launch",
+            "print_line",
+            "recording_backend",
+            "count_host_reads",
+        ],
     ),
 ]
 

@@ -153,14 +153,22 @@ def _checked_calls(group: Any) -> list[int]:
     return read
 
 
-def _default(rank: int, world: int) -> dict[str, Any]:
+def _raised(
+    cases: dict[str, tuple[Callable[[int, int], Any], list[str]]], rank: int, world: int
+) -> dict[str, Any]:
+    """(exception type, message) of each case's call on this rank, ("no error", "") where none was raised."""
     out: dict[str, Any] = {}
-    for cid, (call, _) in DEFAULT_MISTAKES.items():
+    for cid, (call, _) in cases.items():
         try:
             call(rank, world)
             out[cid] = ("no error", "")
         except Exception as e:  # noqa: BLE001 -- the test reads what was raised
             out[cid] = (type(e).__name__, str(e))
+    return out
+
+
+def _default(rank: int, world: int) -> dict[str, Any]:
+    out = _raised(DEFAULT_MISTAKES, rank, world)
     # Ulysses both ways on that sequence, with the sizes: the global result, heads split
     s_sizes, h_sizes = funcoll.split_sizes(2 * world + 1, world), funcoll.split_sizes(world + 1, world)
     q = torch.arange(float(s_sizes[rank] * (world + 1))).reshape(1, s_sizes[rank], world + 1, 1) + 100 * rank
@@ -192,12 +200,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
         out["default"] = _default(rank, world)
     with funcoll.set_checks(True):
         out["enabled"] = funcoll.checks_enabled()
-        for cid, (call, _) in MISMATCHES.items():
-            try:
-                call(rank, world)
-                out[cid] = ("no error", "")
-            except Exception as e:  # noqa: BLE001 -- the test reads what was raised
-                out[cid] = (type(e).__name__, str(e))
+        out.update(_raised(MISMATCHES, rank, world))
         out["agreeing"] = _agreeing(rank, world)
     return out
 
@@ -212,10 +215,13 @@ def test_mismatch_raises_the_same_value_error_on_every_rank(world: int, cid: str
     # each rank's message starts with the op it called (which differs in the different-ops cases)
     kinds = {(results[r][cid][0], results[r][cid][1].partition(": ")[2]) for r in range(world)}
     assert len(kinds) == 1, f"ranks raised different errors: {kinds}"
-    for r in range(world):
-        kind, msg = results[r][cid]
+    _every_rank_raised([results[r][cid] for r in range(world)], MISMATCHES[cid][1])
+
+
+def _every_rank_raised(raised: list[tuple[str, str]], fragments: list[str]) -> None:
+    for r, (kind, msg) in enumerate(raised):
         assert kind == "ValueError", f"rank {r}: {kind}: {msg}"
-        for fragment in MISMATCHES[cid][1]:
+        for fragment in fragments:
             assert fragment in msg, f"rank {r}: {fragment!r} not in {msg!r}"
 
 
@@ -254,11 +260,7 @@ def test_set_checks_restores_and_rejects_non_bools() -> None:
 def test_by_default_the_first_call_raises_on_every_rank(world: int, cid: str) -> None:
     """No set_checks: the mistakes that abort a rank unchecked raise funcoll's ValueError on every rank."""
     results = batch(world)
-    for r in range(world):
-        kind, msg = results[r]["default"][cid]
-        assert kind == "ValueError", f"rank {r}: {kind}: {msg}"
-        for fragment in DEFAULT_MISTAKES[cid][1]:
-            assert fragment in msg, f"rank {r}: {fragment!r} not in {msg!r}"
+    _every_rank_raised([results[r]["default"][cid] for r in range(world)], DEFAULT_MISTAKES[cid][1])
 
 
 @pytest.mark.parametrize("world", WORLDS)
