@@ -1,13 +1,20 @@
-"""One entry for every public op: the steps each op takes before its own work, written once.
+"""One definition for every public op: what it is, and the steps it takes before its own work.
 
-An op declares its entry where it is defined::
+An op is defined in one place, its function under ``@entry``::
 
-    @entry("all_gather", dtensor=_all_gather_dtensor, refuse=Refusal(
-        "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)",
-        when=lambda a: not a["tiled"]))
+    @entry("all_gather", EVEN,
+           header=Header(args=(Arg("dim"), Arg("tiled", bool)), reads=NDIM_ONLY, check_only=True),
+           collectives=fixed({AG: 1}, {RS: 1}),
+           placements=("Shard(dim)", "Replicate()"),
+           dtensor=_all_gather_dtensor,
+           refuse=Refusal("its result stacks the ranks' tensors along a new dim",
+                          "funcoll.all_gather(x, dim)", when=lambda a: not a["tiled"]))
     def all_gather(x, dim=0, *, group=None, tiled=True): ...
 
-and every call then goes through the same steps, in this order, before the body:
+What it is (its docs section, its header, the collectives it issues, its DTensor
+placements) is registered when it is defined (``_spec.register``,
+``_header.register_header``), where the rest of funcoll reads it; and every call
+then goes through the same steps, in this order, before the body:
 
 1. the op's name is recorded, so that a failed collective names it (:func:`public_op`);
 2. each tensor argument (`tensors`, and each of `optional` that is not None) is a
