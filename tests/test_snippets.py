@@ -1,27 +1,33 @@
-"""The code a new user reads first runs as written: README.md, docs/getting-started.md, docs/index.md.
+"""Every snippet of README.md and docs/ runs as written, or says in its first line what it needs.
 
 Every ``python`` block of these pages is one of:
 
 - a program whose first line says how to launch it, ``# torchrun --nproc-per-node 2 <file>``:
   it is written to a file and run so, on gloo (the CPU); each rank must print a line
-  starting ``rank <r>:``;
+  starting ``rank <r>:`` (README.md, getting-started and the concepts page: the code a
+  new user reads first);
+- imports only: they are run here;
 - a section of a snippet file written out as it is (getting-started's first program,
   which ``tests/test_site.py`` runs and whose output it checks against the page);
-- an include of a snippet file (``--8<--``), which ``tests/test_site.py`` resolves.
+- an include of a snippet file or an example (``--8<--``), which ``tests/test_site.py``
+  resolves and whose file a test runs;
+- a fragment of a larger program, whose first line says what it needs (``# needs: ...``)
+  and where there is a whole program.
 
 A block that is none of these fails, so a snippet that stops running, or a new one
-that cannot be run as written, fails the suite.
+that cannot be run as written and does not say why, fails the suite.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 import pytest
 from _torchrun import ROOT, torchrun
 
-PAGES = ("README.md", "docs/getting-started.md", "docs/index.md")
+PAGES = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")))
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 LAUNCH = re.compile(r"^# torchrun --nproc-per-node (\d+) (\S+\.py)")
 SNIPPETS = ROOT / "docs" / "snippets"
@@ -51,13 +57,19 @@ PROGRAMS = [(bid, code) for bid, code in BLOCKS if LAUNCH.match(code)]
 
 
 @pytest.mark.parametrize(("bid", "code"), BLOCKS, ids=[b for b, _ in BLOCKS])
-def test_every_block_is_a_program_a_snippet_section_or_an_include(bid: str, code: str) -> None:
-    if LAUNCH.match(code) or code.startswith("--8<-- "):
+def test_every_block_runs_or_says_what_it_needs(bid: str, code: str) -> None:
+    if LAUNCH.match(code) or code.startswith("--8<-- ") or code in _sections().values():
         return
-    assert code in _sections().values(), (
-        f"{bid}: neither a program (first line `# torchrun --nproc-per-node 2 <file>.py`), nor a "
-        f"snippet file's section written out as it is, nor an include:\n{code}"
+    if code.startswith("# needs: "):
+        assert len(code.splitlines()) > 1, f"{bid}: a `# needs:` line and no code"
+        return
+    tree = ast.parse(code)
+    assert all(isinstance(node, ast.Import | ast.ImportFrom) for node in tree.body), (
+        f"{bid}: neither a program (first line `# torchrun --nproc-per-node 2 <file>.py`), imports, a "
+        f"snippet file's section written out as it is, an include, nor a fragment whose first line "
+        f"says what it needs (`# needs: ...`):\n{code}"
     )
+    exec(compile(tree, bid, "exec"), {})  # imports only: they run here
 
 
 def test_the_pages_launch_programs() -> None:
