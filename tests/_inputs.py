@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,6 +44,26 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+# A rank killed by SIGABRT in mid-run, inside a gloo wait, its peers further on: seen in 2 of
+# the fresh-clone runs of 2026-11-29 (tests/test_lax.py's world-2 batch on torch 2.15, the
+# world-3 soak on 2.13), never when the same batch was run again (3 of 3 on 2.15), with no
+# gloo message captured. Its cause is not known yet (docs/errors.md, "Faults").
+KILLED_BY_ABORT = "died without a result (killed by SIGABRT)"
+
+
+def rerun_once_on_abort(run: Callable[[], Any]) -> Any:
+    """`run()`, and once more, with a warning showing the first failure, when a rank of it was
+    killed by SIGABRT: a mismatch that aborts every time still fails, on the second run."""
+    try:
+        return run()
+    except RankError as e:
+        if KILLED_BY_ABORT not in str(e):
+            raise
+        warnings.warn(f"a rank was killed by SIGABRT; running the batch again. The first run:\n{str(e)[-2000:]}",
+                      stacklevel=2)  # fmt: skip
+        return run()
+
+
 def once_per_world(
     body: Callable[..., Any], timeout: float, env: dict[str, str] | None = None, **run_kwargs: Any
 ) -> Callable[[int], list[Any]]:
@@ -59,7 +80,9 @@ def once_per_world(
         if world not in done and world not in failed:
             try:
                 with environ(**(env or {})):
-                    done[world] = run_ranks(body, world, timeout=timeout, **run_kwargs)
+                    done[world] = rerun_once_on_abort(
+                        lambda: run_ranks(body, world, timeout=timeout, **run_kwargs)
+                    )
             except (RankError, TimeoutError) as e:
                 failed[world] = e
         if world in failed:

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from _cases import COMPILED, SOAK_OPS, SoakPlan, graph_bound, soak_rank
+from _inputs import rerun_once_on_abort
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -58,7 +59,9 @@ def soak(world: int) -> list[dict[str, Any]]:
     """The world's soak, run once per session (a failure is cached and re-raised)."""
     if world not in _RESULTS:
         try:
-            _RESULTS[world] = run_ranks(soak_rank, world, PLANS[world], timeout=TIMEOUT)
+            _RESULTS[world] = rerun_once_on_abort(
+                lambda: run_ranks(soak_rank, world, PLANS[world], timeout=TIMEOUT)
+            )
         except BaseException as e:  # noqa: BLE001 -- every test of this world reports it
             _RESULTS[world] = e
     got = _RESULTS[world]
