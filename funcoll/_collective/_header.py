@@ -244,6 +244,7 @@ GRAD_SCALES = (None, "up", "down")
 DST = Arg("dst", lambda code: None if code < 0 else code)
 STRATEGY = Arg("strategy", named(STRATEGIES))
 REDUCE_OP = Arg("op", named(REDUCE_OPS))
+SIZES_GIVEN = Arg("sizes", lambda c: "given" if c else "None")  # whether `sizes` was passed
 
 
 @dataclass(frozen=True)

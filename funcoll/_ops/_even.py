@@ -34,6 +34,7 @@ from .._collective._header import (
     NDIM_ONLY,
     REDUCE_OP,
     SIZE,
+    SIZES_GIVEN,
     WIDTH,
     Arg,
     Header,
@@ -226,7 +227,7 @@ def _reduce_scatter_plan(world: int, variant: str) -> Plan:
     "reduce_scatter",
     EVEN,
     header=Header(
-        args=(REDUCE_OP, Arg("sizes", lambda c: "given" if c else "None")),
+        args=(REDUCE_OP, SIZES_GIVEN),
         # this rank's slice sizes, then their min, max and sum
         reads=Reader(lambda rows, rank: with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3),
         checks=(_slices_agree,),

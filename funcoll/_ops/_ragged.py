@@ -39,6 +39,7 @@ from .._collective._header import (
     DIM,
     DST,
     SIZE,
+    SIZES_GIVEN,
     STRATEGY,
     WIDTH,
     Arg,
@@ -104,6 +105,12 @@ def _gather_dtensor(
     a `dst` is refused before this."""
     _check_strategy(ax.opname, strategy)
     return gather_shards(ax, ax.dim(dim), strategy)
+
+
+def _sized_a2a_plan(world: int, variant: str) -> Plan:
+    """scatter and all_to_all_v: the sizes in a header, then one all_to_all (backward: one back);
+    variant "given": the sizes were passed (`sizes`, `recv_sizes`), nothing exchanged."""
+    return ({A2A: 1} if variant == "given" else plus(HEADER, {A2A: 1})), {A2A: 1}
 
 
 def _ragged_gather_plan(world: int, variant: str) -> Plan:
@@ -237,16 +244,11 @@ def _scatter_sizes_agree(opname: str, rows: list[list[int]]) -> None:
     check_total(opname, "sizes", sizes, rows[src][SIZE], f"rank {src}'s x.shape[{rows[0][DIM]}]")
 
 
-def _scatter_plan(world: int, variant: str) -> Plan:
-    """`src`'s length in a header, then one all_to_all from src (backward: one back to src); "given": no header."""
-    return ({A2A: 1} if variant == "given" else plus(HEADER, {A2A: 1})), {A2A: 1}
-
-
 @entry(
     "scatter",
     RAGGED,
     header=Header(
-        args=(Arg("src"), Arg("sizes", lambda c: "given" if c else "None")),
+        args=(Arg("src"), SIZES_GIVEN),
         # `src`'s length split as tensor_split does, each piece read on its own: compiled, each is
         # then an unbacked symbol of its own, which the backward binds from its inputs (inductor
         # 2.14 and 2.15 cannot bind an expression of one, such as `(u0 + 1) // 2`).
@@ -256,7 +258,7 @@ def _scatter_plan(world: int, variant: str) -> Plan:
         varying_dim="`dim`",
         checks=(_scatter_sizes_agree,),
     ),
-    collectives=_scatter_plan,
+    collectives=_sized_a2a_plan,
     refuse=Refusal("its input is one rank's tensor", "funcoll.split_forward_gather_backward"),
 )
 def scatter(
@@ -484,11 +486,6 @@ def _send_sizes_sum(opname: str, rows: list[list[int]]) -> None:
             )
 
 
-def _all_to_all_v_plan(world: int, variant: str) -> Plan:
-    """variant "given": recv_sizes passed, nothing exchanged; else the sizes travel in a header."""
-    return ({A2A: 1} if variant == "given" else plus(HEADER, {A2A: 1})), {A2A: 1}
-
-
 @entry(
     "all_to_all_v",
     RAGGED,
@@ -500,7 +497,7 @@ def _all_to_all_v_plan(world: int, variant: str) -> Plan:
         ),
         checks=(_send_sizes_sum,),
     ),
-    collectives=_all_to_all_v_plan,
+    collectives=_sized_a2a_plan,
     refuse=Refusal("it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged"),
 )
 def all_to_all_v(
