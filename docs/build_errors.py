@@ -44,8 +44,9 @@ EXPANDED: dict[str, tuple[str, ...]] = {
     "check_equal": ("traced", "eager"),  # _checks: torch._check(..., lambda: traced) / ValueError(eager())
 }
 # Functions that return an exception for their caller to raise; their own messages are read where
-# they build it, so `raise ax.refuse(...)` and `raise _faults.failed(...)` need nothing more.
-BUILDERS = {"refuse", "failed"}
+# they build it, so `raise ax.refuse(...)`, `raise _faults.failed(...)` and gather's
+# `raise _grad_to_dst(...)` need nothing more.
+BUILDERS = {"refuse", "failed", "_grad_to_dst"}
 
 # (module, function) -> why its `raise` is not read statically. Keep each reason true.
 UNEXTRACTABLE: dict[tuple[str, str], str] = {

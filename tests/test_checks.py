@@ -19,6 +19,7 @@ import torch
 from _inputs import once_per_world
 
 import funcoll
+import funcoll.moe
 import funcoll.testing
 
 WORLDS = (2, 3)
@@ -136,6 +137,20 @@ DEFAULT_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
     "all_to_all-uneven-sequence": (
         lambda r, w: funcoll.all_to_all(_z(1, funcoll.split_sizes(2 * w + 1, w)[r], w, 2), None, 2, 1),
         ["funcoll.all_to_all:", "length along gather_dim 1", "pass the same `gather_sizes`"],
+    ),
+    # an MoE layer built with a different expert count on one rank
+    "moe.dispatch-num_experts": (
+        lambda r, w: funcoll.moe.dispatch(
+            _z(3, 4), torch.zeros(3, 1, dtype=torch.int64), w * (1 + _last(r, w))
+        ),
+        ["funcoll.moe.dispatch:", "`num_experts`", "rank 0: "],
+    ),
+    # static mode without a capacity (T * k) on ranks holding different token counts
+    "moe.dispatch-static-capacity": (
+        lambda r, w: funcoll.moe.dispatch(
+            _z(2 + r, 4), torch.zeros(2 + r, 2, dtype=torch.int64), w, mode="static"
+        ),
+        ["funcoll.moe.dispatch:", "the static capacity", "rank 0: 4", "rank 1: 6"],
     ),
 }
 CALLS = 20  # calls 1, 2, 4, 8 and 16 are checked by default

@@ -542,11 +542,11 @@ def test_dispatch_combine_match_one_process(batches: Batches, case: Case) -> Non
         assert got["in_flight"] == 0, f"{where}: {got['in_flight']} collectives left unwaited"
         if case.mode == "dropless":  # static iff the group's need fits its largest capacity
             need = needed(case)
-            # one host read; under set_checks(True) (this directory's), one more for the
-            # cross-rank check of each even collective: the counts' all_gather, static's blocks,
-            # and one for each of the two data collectives' own headers (what each is)
+            # one host read; under set_checks(True) (this directory's), one more for dispatch's
+            # cross-rank check and one for each of its two collectives' own headers (what each
+            # is: the counts' all_gather, then static's blocks or exact's all_to_all)
             fits = need <= case.capacity  # type: ignore[operator]
-            reads = (5 if fits else 4) if got["checked"] else 1
+            reads = 4 if got["checked"] else 1
             want = ("static", case.capacity, need, reads) if fits else ("exact", None, need, reads)
             assert got["seen"] == want, f"{where}: (mode, capacity, group_needed, host reads) {got['seen']}"
         if case.mode == "policy":  # (replays, capacity, agreed need) after each of two steps
@@ -644,12 +644,12 @@ def test_num_experts_must_divide(batches: Batches, world: int) -> None:
     for errors in batches.get(world)["errors"]:
         assert errors["num_experts"].startswith("funcoll.moe.dispatch: `num_experts`=")
         assert f"{world} ranks" in errors["num_experts"]
-    blocks = [str(4 + r) for r in range(world)]  # capacity T * k + the spare row, per rank
+    capacities = [3 + r for r in range(world)]  # capacity=None: T * k, a different T per rank
     for errors in batches.get(world)["errors"]:
-        assert errors["capacity"].startswith("funcoll.all_to_all: ranks disagree on how the scatter dim"), (
+        assert errors["capacity"].startswith("funcoll.moe.dispatch: ranks disagree on the static capacity"), (
             errors
         )
-        assert all(f"rank {r}: [{b}" in errors["capacity"] for r, b in enumerate(blocks)), errors
+        assert all(f"rank {r}: {c}" in errors["capacity"] for r, c in enumerate(capacities)), errors
         assert errors["in_flight"] == 0, f"{errors['in_flight']} collectives left unwaited after the errors"
 
 

@@ -208,14 +208,18 @@ def gather(
     strat = _check_strategy(opname, strategy)
     if dst is not None:
         check_rank(opname, "dst", dst, g.size)
+    # Raised after the exchange, which checks that requires_grad agrees: then every rank raises.
+    grad_to_dst = dst is not None and x.requires_grad and torch.is_grad_enabled()
     sizes = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
-        _refuse_grad_to_dst(opname, x, dst)
+        if grad_to_dst:
+            raise _grad_to_dst(opname, dst)
         return fresh(x)
     if dst is None:
         return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes)[0]
     sz, _, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
-    _refuse_grad_to_dst(opname, x, dst)  # after the exchange: it checked requires_grad agrees, so all raise
+    if grad_to_dst:
+        raise _grad_to_dst(opname, dst)
     xm = to_rows(x, d)
     n = sz[g.rank]
     torch._check(xm.shape[0] == n)
@@ -227,12 +231,12 @@ def gather(
     return from_rows(got, x.dtype, d)
 
 
-def _refuse_grad_to_dst(opname: str, x: Tensor, dst: int | None) -> None:
-    if dst is not None and x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"{opname}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
-            f"never join the backward scatter. Use dst=None, or pass x.detach()"
-        )
+def _grad_to_dst(opname: str, dst: int) -> ValueError:
+    """gather's refusal of an `x` that requires grad with a `dst`."""
+    return ValueError(
+        f"{opname}: `dst`={dst} cannot carry gradients: ranks other than dst get None and could "
+        f"never join the backward scatter. Use dst=None, or pass x.detach()"
+    )
 
 
 def _scatter_sizes_agree(opname: str, rows: list[list[int]]) -> None:

@@ -10,8 +10,16 @@ from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike, resolve_group
 from .._collective import _prims
 from .._collective._async import wait
-from .._collective._header import host_ints
-from .._ops import _even
+from .._collective._header import (
+    NDIM_ONLY,
+    WIDTH,
+    Arg,
+    Header,
+    check_agreement,
+    disagree,
+    host_ints,
+    named,
+)
 from .._ops._entry import Refusal, entry
 from ._autograd import Gather, take, weighted_sum
 from ._dropless import Dropless
@@ -130,11 +138,14 @@ def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Gr
 def _exchange_blocks(t: Tensor, g: Group) -> Tensor:
     """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
 
-    One rank: `t` itself. Dispatch and combine pass only their own intermediates,
-    which need not be copied into a new tensor, as the public op does (one copy of
-    the send buffer each way in a one-rank group).
+    The primitive, not the public op: dispatch and combine pass only their own
+    intermediates, whose shapes agree on every rank by construction, so nothing is
+    checked again, and one rank returns `t` itself, not a copy.
     """
-    return t if g.is_single else _even.all_to_all(t, g, 0, 0)
+    if g.is_single:
+        return t
+    block = [t.shape[0] // g.size] * g.size  # static mode's rows are world equal blocks
+    return _prims.all_to_all_p(t, block, block, g.name)
 
 
 Layout = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # source, counts, offsets, ends, back_index
@@ -166,7 +177,8 @@ def _dropless_table(
     # The capacity is filled in on the device: a tensor made from the host int would
     # be a copy the host waits for on CUDA, a second sync beside the one below.
     row = torch.cat([given, torch.full_like(given[:1], capacity)])
-    table = row.unsqueeze(0) if g.is_single else _even.all_gather(row, group=g, tiled=False)
+    # The primitive: every rank's row has E + 1 ints by construction (no check to repeat).
+    table = row.unsqueeze(0) if g.is_single else _prims.all_gather_p(row, g.name, g.size).view(g.size, -1)
     # While the table travels: the pairs by expert (token-major within one), the order
     # both paths send them in. The static path is taken only when nothing drops, so
     # it sends every pair, as exact mode does.
@@ -407,8 +419,28 @@ def _route(
     return out, handle
 
 
+def _same_capacity(opname: str, rows: list[list[int]]) -> None:
+    """Static mode: every rank's blocks have its capacity's rows, so the capacities agree (tail column 0)."""
+    disagree(
+        opname,
+        rows,
+        "the static capacity (`capacity`, or T * k when None, which needs the same T tokens on every rank)",
+        lambda r: r[WIDTH],
+        lambda r: r[WIDTH],
+    )
+
+
 @entry(
     "moe.dispatch",
+    # What every rank's call must agree on (a checked call's header; `x`'s token count may differ):
+    # x's dtype and hidden size, and these; a policy's run counts as its mode.
+    header=Header(
+        args=(Arg("num_experts"), Arg("mode", named(MODES))),
+        reads=NDIM_ONLY,
+        varying_dim="the token count `x`.shape[0]",
+        checks=(_same_capacity,),
+        check_only=True,
+    ),
     tensors=("x", "topk_idx"),
     optional=("counts", "topk_weights"),
     refuse=Refusal("its rows go to the ranks of their experts"),
@@ -504,6 +536,9 @@ def dispatch(
     x, topk_idx = _check_dispatch_args(
         x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
     )
+    # Sampled by default (funcoll.set_checks): ranks whose calls disagree raise, not abort.
+    static = (x.shape[0] * topk_idx.shape[1] if capacity is None else capacity) if mode == "static" else 0
+    x = check_agreement("moe.dispatch", x, g, 0, (num_experts, MODES.index(mode)), [static])
     expert, given = _expert_ids(topk_idx, counts, num_experts, x.device)
     out, handle = _route(
         x, expert, given, topk_idx.shape[1], num_experts, mode, capacity, align, g, group, topk_weights
