@@ -1,6 +1,6 @@
 """Every benchmark family in one command: one JSON of results, one plot per family, the ratio tables.
 
-Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked overlap row_kernels]
+Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked overlap wire row_kernels]
 [--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--reuse-memory] [--out docs/results] [--quick]
 [--replot]``
 
@@ -37,6 +37,9 @@ Families (each one's own script documents its methods):
   step, eager and compiled (aot_eager, inductor, inductor with its overlap
   passes), funcol beside every funcoll op family (the ragged gathers beside the
   padded funcol program: pad, all_gather, cut);
+- ``wire`` (``bench_wire.py``): all_gather and reduce_scatter with ``wire=`` int8,
+  float8 e4m3 (block 128) and bfloat16 against the exact op (the baseline), eager and
+  compiled, quantization included, with the bytes one rank sends;
 - ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):
   the pad and the cut around a padded all_gather, funcoll's Triton kernels against
   its torch ops, float32. On CPU it is skipped, and says so.
@@ -88,6 +91,7 @@ import bench_overlap
 import bench_ragged_gather
 import bench_row_kernels
 import bench_torchtitan
+import bench_wire
 import sweep_ragged
 from _timing import reusing_memory
 
@@ -271,6 +275,21 @@ def _overlap(worlds: list[int], mibs: list[float], iters: int, rounds: int, on: 
     return records
 
 
+def _wire(worlds: list[int], kibs: list[float], iters: int, rounds: int, on: Setup) -> list[Record]:
+    """Each format's time over the exact op's, in the same process and mode, and the bytes a rank sends."""
+    modes = ["eager"] if on.quick else ["eager", "compiled"]
+    records = []
+    for world in worlds:
+        rows = run_ranks(on.wrap(bench_wire._bench), world, [int(k) for k in kibs], rounds, iters, modes,
+                         timeout=3600, backend=on.backend)[0]  # fmt: skip
+        for r in rows:
+            records.append({
+                "family": "wire", "world": world, "layout": f"{r['op']}, {r['mode']}", "bytes": r["kib"] * 1024,
+                "impl": r["impl"], "seconds": r["ms"] / 1e3, "ratio": r["ratio"], "sent_bytes": r["sent_bytes"],
+            })  # fmt: skip
+    return records
+
+
 def _row_kernels(
     worlds: list[int], sizes_mb: list[float], iters: int, rounds: int, on: Setup
 ) -> list[Record]:
@@ -296,11 +315,12 @@ FAMILIES: dict[str, tuple[list[float], int, int]] = {
     "moe": ([256, 1024, 4096, 16384], 3, 5),
     "checked": ([64, 1024, 16384], 5, 5),
     "overlap": ([16], 3, 3),
+    "wire": ([64, 1024, 16384], 5, 5),
     "row_kernels": ([4, 64], 50, 1),
 }
 RUNS: dict[str, Callable[..., list[Record]]] = {
     "gather": _gather, "sweep": _sweep, "dtensor": _dtensor, "moe": _moe, "checked": _checked,
-    "overlap": _overlap, "row_kernels": _row_kernels,
+    "overlap": _overlap, "wire": _wire, "row_kernels": _row_kernels,
 }  # fmt: skip
 # Families that run only on some devices: why they are skipped elsewhere.
 NEEDS_CUDA = {"row_kernels": "funcoll's Triton kernels serve CUDA tensors; run with --device cuda"}
@@ -329,6 +349,7 @@ _X_LABEL = {
     "checked": "bytes per rank",
     "overlap": "bytes per rank (the step's time; its hidden fraction is in the JSON)",
     "row_kernels": "bytes of rows in all",
+    "wire": "bytes per rank (before encoding)",
 }
 # Legend names of the records' short implementation names, where those do not say what ran.
 _LABELS = {
@@ -339,6 +360,10 @@ _LABELS = {
     ("moe", "torchtitan layer: titan"): "torchtitan layer, its dispatcher (baseline)",
     ("checked", "unchecked"): "set_checks(False) (baseline)",
     ("checked", "checked"): "set_checks(True)",
+    ("wire", "exact"): "exact op (baseline)",
+    ("wire", "int8"): "Wire(int8, block=128)",
+    ("wire", "fp8"): "Wire(float8_e4m3fn, block=128)",
+    ("wire", "bf16"): "Wire(bfloat16)",
 }
 _BUSBW = ("gather", "sweep", "checked")  # families of collectives: nccl-tests' busbw
 

@@ -248,6 +248,25 @@ def _shaped(
     return build
 
 
+def _exact_in(wire: str, case: str, *shape: int | Callable[[int, int], int]) -> Callable[[int, int], Inputs]:
+    """Inputs that a wire format carries exactly, so that the result equals the exact reference.
+
+    "int8": integers in [-127, 127] with 127 in every row (a scale of 1 a row);
+    "bf16": values with bfloat16's 8 bits of mantissa.
+    """
+
+    def build(rank: int, world: int) -> Inputs:
+        dims = [s(rank, world) if callable(s) else s for s in shape]
+        x = _randn((case, rank), dims)
+        if wire == "bf16":
+            return (x.bfloat16().double(),)
+        x = (x * 40).round().clamp(-126, 126)
+        x[..., 0] = 127
+        return (x,)
+
+    return build
+
+
 def _replicated(case: str, *shape: int | Callable[[int, int], int]) -> Callable[[int, int], Inputs]:
     """The same tensor on every rank (seeded by the case alone)."""
 
@@ -553,6 +572,23 @@ CASES: list[OpCase] = [
         "reduce_scatter-x2wx5-dim0",
         _shaped("reduce_scatter-x2wx5-dim0", _twice, 5),
         call=lambda x, group=None: funcoll.reduce_scatter(x, 0, group=group),
+        reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, 0)],
+        at_scale=True,
+    ),
+    _case(  # quantized: int8 codes and a scale per row travel in the one all_gather
+        "all_gather-x3x5-dim0-wire-int8",
+        _exact_in("int8", "all_gather-x3x5-dim0-wire-int8", 3, 5),
+        call=lambda x, group=None: funcoll.all_gather(x, 0, wire=funcoll.Wire(torch.int8), group=group),
+        reference=_ref_cat(0),
+        at_scale=True,
+    ),
+    _case(  # quantized: the bf16 pieces travel by one all_to_all, each rank sums what it receives
+        "reduce_scatter-x2wx5-dim0-wire-bf16",
+        _exact_in("bf16", "reduce_scatter-x2wx5-dim0-wire-bf16", _twice, 5),
+        variant="wire",
+        call=lambda x, group=None: funcoll.reduce_scatter(
+            x, 0, wire=funcoll.Wire(torch.bfloat16), group=group
+        ),
         reference=lambda xs, w: [[p] for p in torch.tensor_split(sum(_firsts(xs)), w, 0)],
         at_scale=True,
     ),

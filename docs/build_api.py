@@ -17,7 +17,7 @@ import funcoll.testing
 from funcoll._ops._spec import FAMILIES, specs
 
 # Public names that are not ops (no spec), shown after the ops of a section.
-_EXTRA = {"JAX's shard_map": ["P"]}
+_EXTRA = {"JAX's shard_map": ["P"], "Even collectives": ["Wire"]}
 
 # Every public op in the section its definition names (funcoll/_ops/_spec.py), then the submodules.
 SECTIONS = [

@@ -10,6 +10,7 @@ from . import moe as moe  # the submodule: funcoll.moe.dispatch after `import fu
 from ._base._compile import mark_ragged
 from ._base._config import checks_enabled, set_checks
 from ._base._group import Group, GroupLike, axis_index, axis_size
+from ._base._quant import Wire
 from ._collective._async import wait
 from ._ops._even import (
     all_gather,
@@ -34,6 +35,7 @@ __all__ = [
     "Group",
     "GroupLike",
     "P",
+    "Wire",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_list",

@@ -25,6 +25,7 @@ FAMILIES = (
     "moe",
     "checked",
     "overlap",
+    "wire",
 )  # and row_kernels, skipped without CUDA
 
 
@@ -74,6 +75,15 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     assert {r["layout"] for r in overlap} == {"eager, sleep", "eager, matmul"}
     assert all(math.isfinite(r["hidden"]) and r["seconds"] > 0 for r in overlap), overlap  # quick: no meaning
     assert all(math.isfinite(r["exposed_seconds"]) for r in overlap), overlap
+    wire = [r for r in data["records"] if r["family"] == "wire"]
+    assert {(r["layout"], r["impl"]) for r in wire} == {
+        (f"{op}, eager", f)
+        for op in ("all_gather", "reduce_scatter")
+        for f in ("exact", "int8", "fp8", "bf16")
+    }
+    # what one rank sends: 8-bit codes and a float32 scale per 128 values, or bf16
+    sent = {r["impl"]: r["sent_bytes"] / r["bytes"] for r in wire if r["layout"] == "all_gather, eager"}
+    assert sent == {"exact": 1.0, "int8": (1 + 4 / 128) / 4, "fp8": (1 + 4 / 128) / 4, "bf16": 0.5}, sent
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
     assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")} | {
         (f"{op} eager, 16 calls", c) for op in ("all_gather", "all_to_all") for c in ("default", "unchecked")

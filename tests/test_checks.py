@@ -61,6 +61,14 @@ MISMATCHES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
         ),
         ["funcoll.reduce_scatter:", "ranks disagree on `sizes`"],
     ),
+    "all_gather-wire": (
+        lambda r, w: funcoll.all_gather(_z(2, 8), wire=funcoll.Wire(torch.int8) if _last(r, w) else None),
+        ["funcoll.all_gather:", "`wire`", "rank 0: None", "Wire(torch.int8)"],
+    ),
+    "reduce_scatter-grad_wire": (
+        lambda r, w: funcoll.reduce_scatter(_z(w, 8), grad_wire=funcoll.Wire(torch.bfloat16) if r else None),
+        ["funcoll.reduce_scatter:", "`grad_wire`", "rank 0: None", "Wire(torch.bfloat16)"],
+    ),
     "all_reduce-ndim": (
         lambda r, w: funcoll.all_reduce(_z(3, 1) if _last(r, w) else _z(3)),
         ["funcoll.all_reduce:", "`x`.ndim"],

@@ -22,7 +22,7 @@ from funcoll._collective._header import HEADERS
 from funcoll._ops._spec import FAMILIES, OpSpec, specs
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_OPS = {"Group", "GroupLike", "P"}  # types, not ops
+NOT_OPS = {"Group", "GroupLike", "P", "Wire"}  # types, not ops
 PUBLIC = sorted(n for n in funcoll.__all__ if n not in NOT_OPS)
 SPECS = specs()
 

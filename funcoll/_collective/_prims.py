@@ -121,7 +121,7 @@ def _avg_as_sum(
     return y / world if reduce_op == "avg" else y
 
 
-def _reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+def reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
     return _avg_as_sum(
         "reduce_scatter",
         group_name,
@@ -137,12 +137,12 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
         ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
-        return _reduce_scatter_impl(x, reduce_op, group_name, world)
+        return reduce_scatter_impl(x, reduce_op, group_name, world)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         g = all_gather_p(grad, ctx.group_name, ctx.world)
-        return _scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world), None, None, None
+        return scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world), None, None, None
 
 
 def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -150,7 +150,7 @@ def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
     return _ReduceScatter.apply(x, reduce_op, group_name, world)
 
 
-def _scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
+def scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
     if reduce_op == "sum":
         return g
     if reduce_op == "avg":
@@ -175,7 +175,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         g = all_reduce_p(grad, "sum", ctx.group_name, ctx.world)
-        return _scale_for_op("all_reduce", ctx.reduce_op, g, ctx.world), None, None, None
+        return scale_for_op("all_reduce", ctx.reduce_op, g, ctx.world), None, None, None
 
 
 def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -183,13 +183,13 @@ def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tens
 
 
 # ----------------------------------------------------------------------- all_to_all_p
-def _all_to_all(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
+def all_to_all_impl(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
     """all_to_all_single of `x`'s dim-0 rows, waited for.
 
     Complex rows travel as their pairs of reals: gloo has no complex all_to_all.
     """
     if x.is_complex():
-        return torch.view_as_complex(_all_to_all(torch.view_as_real(x), recv, send, group_name))
+        return torch.view_as_complex(all_to_all_impl(torch.view_as_real(x), recv, send, group_name))
     return _run(
         "all_to_all", group_name, x.contiguous(), lambda t, g: _F.all_to_all_single(t, recv, send, g),
         splits=(send, recv),
@@ -201,7 +201,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
         _faults.remember(ctx)
         ctx.recv, ctx.send, ctx.group_name = ctx_ints(recv), ctx_ints(send), group_name
-        return _all_to_all(x, recv, send, group_name)
+        return all_to_all_impl(x, recv, send, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -257,7 +257,7 @@ class _AllToAllBlocks(torch.autograd.Function):
         ctx.group_name, ctx.world = group_name, world
         blocks = x.reshape(world, cap, *x.shape[1:])
         split = [cap + extra.shape[0]] * world
-        return _all_to_all(with_rows(blocks, extra), split, split, group_name)
+        return all_to_all_impl(with_rows(blocks, extra), split, split, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -307,7 +307,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # op's gradient first: max/min/product raise on every rank before anything is sent
-        g = _scale_for_op("reduce", ctx.reduce_op, grad, ctx.world)
+        g = scale_for_op("reduce", ctx.reduce_op, grad, ctx.world)
         return broadcast_p(g, ctx.dst, ctx.group_name, ctx.world, ctx.rank), None, None, None, None, None
 
 
@@ -332,7 +332,7 @@ class _Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = grad if ctx.reduce_op is None else _scale_for_op("all_reduce", ctx.reduce_op, grad, ctx.world)
+        g = grad if ctx.reduce_op is None else scale_for_op("all_reduce", ctx.reduce_op, grad, ctx.world)
         return g, None, None, None, None
 
 
@@ -377,7 +377,7 @@ def _all_gather_v_impl(
         send[to] = extras[rank]
         recv = [0] * world
         recv[frm] = extras[frm]
-        received[frm] = _all_to_all(mine, recv, send, group_name)
+        received[frm] = all_to_all_impl(mine, recv, send, group_name)
     if not torch.compiler.is_compiling() and all(e == 0 for e in extras):
         return block  # eager, every row came in the all_gather: it already is the result
     pieces = []
@@ -396,7 +396,7 @@ def _reduce_scatter_v_impl(
     reduces the `world` pieces locally.
     """
     mine = sizes[rank]
-    got = _all_to_all(x, [mine] * world, list(sizes), group_name)
+    got = all_to_all_impl(x, [mine] * world, list(sizes), group_name)
     stacked = got.view(world, mine, *x.shape[1:])
     # sum/prod promote small integers to int64 by default; the collective keeps x's dtype.
     if reduce_op == "sum":
@@ -538,7 +538,7 @@ class _ReduceScatterV(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         g = gather_rows(grad, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, ctx.stats)
         return (
-            _scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world),
+            scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world),
             None,
             None,
             None,

@@ -24,6 +24,7 @@ from .._base._checks import (
 )
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
+from .._base._quant import Wire, check_wire, show_code, wire_code
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
@@ -46,6 +47,7 @@ from .._collective._header import (
     tails,
     with_stats,
 )
+from .._collective._quantized import all_gather_wire_p, reduce_scatter_wire_p
 from .._collective._rows import from_rows, to_rows
 from ._entry import Refusal, entry
 from ._ragged import reduce_scatter_v
@@ -74,9 +76,35 @@ def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
     return moved.reshape(out_shape)
 
 
-def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool) -> Tensor:
+def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool, **formats: Wire | None) -> Tensor:
     """``Shard(dim) -> Replicate()`` (``tiled=False`` is refused before this)."""
+    _exact_for_dtensor(ax.opname, **formats)
     return gather_shards(ax, ax.dim(dim))
+
+
+def _exact_for_dtensor(opname: str, wire: Wire | None, grad_wire: Wire | None) -> None:
+    """A DTensor `x` travels exactly: its rules move the shards as they are."""
+    if wire is not None or grad_wire is not None:
+        raise ValueError(
+            f"{opname}: `wire`={wire!r}, `grad_wire`={grad_wire!r}: a DTensor `x` travels exactly; "
+            f"pass x.to_local() for a quantized collective of the local shards"
+        )
+
+
+def _same_wire(opname: str, rows: list[list[int]]) -> None:
+    """all_gather's and reduce_scatter's formats (tail columns world and world + 1): the same on every rank."""
+    at = WIDTH + len(rows)
+    for col, arg in ((at, "`wire`"), (at + 1, "`grad_wire`")):
+        disagree(opname, rows, arg, lambda r, c=col: r[c], lambda r, c=col: show_code(r[c]))
+
+
+def _wire_tail(
+    world: int, sizes: list[IntLike], wire: Wire | None, grad_wire: Wire | None
+) -> list[IntLike] | None:
+    """A checked call's header tail: the op's `sizes` (world of them), then both formats' codes; None if exact."""
+    if wire is None and grad_wire is None:
+        return sizes or None
+    return [*(sizes or [0] * world), wire_code(wire), wire_code(grad_wire)]
 
 
 _STACKS = "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
@@ -87,13 +115,21 @@ _GATHER, _SCATTER, _A2A = fixed({AG: 1}, {RS: 1}), fixed({RS: 1}, {AG: 1}), fixe
 @entry(
     "all_gather",
     EVEN,
-    header=Header(args=_TILED, reads=NDIM_ONLY, check_only=True),
+    header=Header(args=_TILED, reads=NDIM_ONLY, checks=(_same_wire,), check_only=True),
     collectives=_GATHER,
     placements=("Shard(dim)", "Replicate()"),
     dtensor=_all_gather_dtensor,
     refuse=Refusal(*_STACKS, when=lambda a: not a["tiled"]),
 )
-def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool = True) -> Tensor:
+def all_gather(
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: GroupLike = None,
+    tiled: bool = True,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
+) -> Tensor:
     """Gather `x` from every rank of `group` (JAX ``all_gather``).
 
     Args:
@@ -104,6 +140,12 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         group: the communicator: None, a ProcessGroup, a 1-D DeviceMesh,
             ``(mesh, mesh_dim)`` or a group name (docs/index.md, Groups).
         tiled: concatenate (True) or stack a new axis of size world (False).
+        wire: the format `x` travels in (docs/wire.md): ``funcoll.Wire(torch.int8,
+            block=256)`` sends int8 codes and one float32 scale per 256 values of the
+            last dim, in the same all_gather; the result is decoded to ``x.dtype``.
+            None (default): exact. A floating `x` only; a group of one moves nothing
+            and is exact.
+        grad_wire: the format of the backward's reduce-scatter (None: exact).
 
     Returns:
         ``tiled=True``: ``x.shape`` with ``shape[dim] * world``, the ranks' tensors in
@@ -112,10 +154,13 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         shape ``(world,)``. A new, contiguous tensor.
 
     Backward: ``reduce_scatter`` (sum) of the gradient along the same dim: each rank
-    gets the sum over ranks of the gradient slice that came from it.
+    gets the sum over ranks of the gradient slice that came from it; in `grad_wire`
+    when given. The forward's rounding in `wire` counts as the identity
+    (straight-through).
 
     DTensor `x`: ``Shard(dim) -> Replicate()`` on the mesh dim `group` names, and
-    the backward keeps this rank's piece of the gradient (docs/dtensor.md).
+    the backward keeps this rank's piece of the gradient (docs/dtensor.md); exact
+    only (a `wire` is refused).
 
     Example (2 ranks)::
 
@@ -125,23 +170,38 @@ def all_gather(x: Tensor, dim: int = 0, *, group: GroupLike = None, tiled: bool 
         all_gather(x, tiled=False)    # both: [[[1, 2]], [[3, 4]]], shape (2, 1, 2)
         # rank 0: x = tensor(0.5)     rank 1: x = tensor(1.5)
         all_gather(x)                 # both: [0.5, 1.5]
+        # rank 0: x = [[1., 2.]]      rank 1: x = [[3., 4.]]
+        all_gather(x, wire=Wire(torch.int8))  # both: [[1., 2.], [3., 4.]] to 1 part in 254 of each row's max
     """
-    return _all_gather("funcoll.all_gather", x, dim, cast(Group, group), tiled)
+    return _all_gather("funcoll.all_gather", x, dim, cast(Group, group), tiled, wire, grad_wire)
 
 
-def _all_gather(opname: str, x: Tensor, dim: int, g: Group, tiled: bool) -> Tensor:
+def _all_gather(
+    opname: str,
+    x: Tensor,
+    dim: int,
+    g: Group,
+    tiled: bool,
+    wire_as: Wire | None = None,
+    grad_wire: Wire | None = None,
+) -> Tensor:
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
-    x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)))
+    check_wire(opname, x, wire_as, grad_wire)
+    tail = _wire_tail(g.size, [], wire_as, grad_wire)
+    x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)), sizes=tail)
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
-    # A 0-d x travels as one element (the backends want at least one dim).
-    gathered = unwire(
-        _prims.all_gather_p(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
-    )
-    if tiled and d == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
-        return gathered
-    stacked = gathered.view(g.size, *x.shape)
+    if wire_as is not None or grad_wire is not None:
+        stacked = all_gather_wire_p(x, g.name, g.size, wire_as, grad_wire)  # (world, *x.shape)
+    else:
+        # A 0-d x travels as one element (the backends want at least one dim).
+        gathered = unwire(
+            _prims.all_gather_p(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
+        )
+        if tiled and d == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
+            return gathered
+        stacked = gathered.view(g.size, *x.shape)
     if not tiled:
         return from_rows(stacked, x.dtype, d)
     return _merge_rank_axis(stacked, d)
@@ -179,10 +239,16 @@ def all_gather_into_tensor(x: Tensor, *, group: GroupLike = None) -> Tensor:
 
 
 def _reduce_scatter_dtensor(
-    ax: MeshAxis, dim: int, op: str, tiled: bool, sizes: Sequence[int] | Tensor | None
+    ax: MeshAxis,
+    dim: int,
+    op: str,
+    tiled: bool,
+    sizes: Sequence[int] | Tensor | None,
+    **formats: Wire | None,
 ) -> Tensor:
-    """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout."""
+    """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout (`formats`: `wire` and `grad_wire`, None)."""
     opname = ax.opname
+    _exact_for_dtensor(opname, **formats)
     d = ax.dim(dim)
     reduce_op = check_reduce_op(opname, op, ax.x)
     if sizes is not None or not tiled:
@@ -220,6 +286,8 @@ def _slices_agree(opname: str, rows: list[list[int]]) -> None:
 def _reduce_scatter_plan(world: int, variant: str) -> Plan:
     if variant == "sizes":  # the ragged one: one all_to_all; backward a ragged all-gather
         return {A2A: 1}, rows_plan(world)[0]
+    if variant == "wire":  # quantized pieces: one all_to_all, each rank sums what it receives
+        return {A2A: 1}, {AG: 1}
     return {RS: 1}, {AG: 1}
 
 
@@ -230,7 +298,7 @@ def _reduce_scatter_plan(world: int, variant: str) -> Plan:
         args=(REDUCE_OP, SIZES_GIVEN),
         # this rank's slice sizes, then their min, max and sum
         reads=Reader(lambda rows, rank: with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3),
-        checks=(_slices_agree,),
+        checks=(_slices_agree, _same_wire),
     ),
     collectives=_reduce_scatter_plan,
     placements=("Partial(op)", "Shard(dim)"),
@@ -244,6 +312,8 @@ def reduce_scatter(
     op: str = "sum",
     tiled: bool = True,
     sizes: Sequence[int] | Tensor | None = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> Tensor:
     """Reduce `x` over ranks and keep this rank's slice of `dim` (JAX ``psum_scatter``).
 
@@ -263,13 +333,22 @@ def reduce_scatter(
             that they are; a tensor is read on the host, a device-to-host sync for
             a GPU tensor). None means equal slices, and then ``x.shape[dim]`` must
             divide by world.
+        wire: the format the slices travel in (docs/wire.md), with equal slices
+            (no `sizes`): every rank's slices go by one all_to_all, each with its
+            own block scales, and each rank decodes the slices it receives to
+            ``x.dtype`` and reduces them there, never in the wire's 8 bits
+            (ZeRO++'s qgZ). None (default): the exact reduce_scatter. A floating
+            `x` only; a group of one moves nothing and is exact.
+        grad_wire: the format of the backward's all_gather (None: exact).
 
     Returns:
         A new tensor: ``x.shape`` with ``shape[dim]`` divided by world (or
         ``sizes[rank]``), or without `dim` when ``tiled=False``.
 
     Backward (``sum``): ``all_gather`` of the gradient along `dim` (ragged when
-    `sizes` is given); ``avg`` divides that by world; the other ops have no gradient.
+    `sizes` is given; in `grad_wire` when given); ``avg`` divides that by world; the
+    other ops have no gradient. The forward's rounding in `wire` counts as the
+    identity (straight-through).
 
     DTensor `x`: ``Partial(op) -> Shard(dim)`` in DTensor's chunk layout, with neither
     `sizes` nor ``tiled=False`` (docs/dtensor.md).
@@ -279,13 +358,20 @@ def reduce_scatter(
         # rank 0: x = [1, 2, 3, 4]    rank 1: x = [10, 20, 30, 40]
         reduce_scatter(x)             # rank 0: [11, 22]      rank 1: [33, 44]
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
+        reduce_scatter(x, wire=Wire(torch.int8))  # within int8's rounding of [11, 22] / [33, 44]
     """
     opname, g = "funcoll.reduce_scatter", cast(Group, group)
     d = check_dim(opname, x, dim)
     reduce_op = check_reduce_op(opname, op, x)
+    check_wire(opname, x, wire, grad_wire)
     if sizes is not None:
         if not tiled:
             raise ValueError(f"{opname}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")
+        if wire is not None or grad_wire is not None:
+            raise ValueError(
+                f"{opname}: `wire`={wire!r}, `grad_wire`={grad_wire!r} are for equal slices; got "
+                f"sizes={sizes!r} (pass wire=None and grad_wire=None for a ragged reduce-scatter)"
+            )
         return reduce_scatter_v(opname, x, d, sizes, reduce_op, g)
     if not tiled and x.shape[d] != g.size:
         raise ValueError(
@@ -297,9 +383,13 @@ def reduce_scatter(
             f"pass `sizes` for a ragged reduce-scatter"
         )
     n = x.shape[d] // g.size
-    x = check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), [n] * g.size)
+    tail = _wire_tail(g.size, [n] * g.size, wire, grad_wire)
+    x = check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), tail)
     if g.is_single:
         y = fresh(x)
+    elif wire is not None or grad_wire is not None:  # (world, ..., n, ...) -> this rank's (..., n, ...)
+        pieces = x.unflatten(d, (g.size, n)).movedim(d, 0)
+        y = reduce_scatter_wire_p(pieces, reduce_op, g.name, g.size, wire, grad_wire)
     else:
         # dim 0: as it arrives, no view of an eager pending result
         y = from_rows(

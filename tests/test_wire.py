@@ -1,0 +1,401 @@
+"""funcoll.Wire: all_gather and reduce_scatter in quantized wire formats, on real gloo ranks.
+
+Every rank r holds seeded float32 data. The reference is computed in the parent in
+float64 from all ranks' inputs: the concatenation (all_gather) or the sum of the
+pieces (reduce_scatter), and each value's error bound: the format's rounding
+(``funcoll._base._quant.ROUNDING``) of the value and of its block's scale, the
+block's absolute maximum over the format's largest code, computed from the same
+inputs; a reduce-scatter's bound is the sum of its pieces' bounds. Gradients: each
+rank backpropagates ``(y * w_r).sum()`` with a seeded `w_r`; the reference gradient
+is the same sum taken in float64, exact (``grad_wire=None``) or within the bound of
+the gradient pieces' format. Every case of one world runs in one ``run_ranks`` call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from _inputs import once_per_world
+from torch import Tensor
+
+import funcoll
+import funcoll.testing
+from funcoll import Wire
+from funcoll._base._quant import _SCALED, ROUNDING, decode, encode
+
+WORLDS = (1, 2, 3, 4)
+TIMEOUT_S = 240.0
+I8, E4, E5, BF, F16 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16
+FORMATS = {
+    "int8-b128": Wire(I8, block=128),
+    "int8-b5": Wire(I8, block=5),
+    "e4m3-b32": Wire(E4, block=32),
+    "e5m2-row": Wire(E5),
+    "bf16": Wire(BF),
+    "fp16": Wire(F16),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    op: str  # "all_gather" | "reduce_scatter"
+    shape: tuple[int, ...]  # this rank's x (reduce_scatter: dim's length is multiplied by world)
+    dim: int
+    wire: str | None
+    grad_wire: str | None = None
+    data: str = "randn"  # "randn" | "zero-block" (rank 0's first block all zero) | "inf" (one inf on rank 0)
+    tiled: bool = True
+
+    def x(self, rank: int, world: int) -> Tensor:
+        shape = list(self.shape)
+        if self.op == "reduce_scatter":
+            shape[self.dim] *= world
+        g = torch.Generator().manual_seed(1000 * rank + len(self.id))
+        x = torch.randn(shape, generator=g) * (1 + rank)
+        if self.data == "zero-block" and rank == 0 and x.numel():
+            x.reshape(-1, x.shape[-1])[0, :5] = 0
+        if self.data == "inf" and rank == 0 and x.numel():
+            x.reshape(-1)[0] = float("inf")
+        return x
+
+    def w(self, rank: int, out_shape: tuple[int, ...]) -> Tensor:
+        g = torch.Generator().manual_seed(77 + rank)
+        return torch.randn(out_shape, generator=g)
+
+
+CASES = [
+    *(Case(f"ag-{f}", "all_gather", (3, 300), 0, f, f) for f in FORMATS),
+    Case("ag-dim-last-int8", "all_gather", (2, 70), -1, "int8-b128", None),
+    Case("ag-stack-e4m3", "all_gather", (2, 40), 1, "e4m3-b32", "bf16", tiled=False),
+    Case("ag-0d-int8", "all_gather", (), 0, "int8-b128", None),
+    Case("ag-empty-int8", "all_gather", (0, 64), 0, "int8-b128", "int8-b128"),
+    Case("ag-zero-block-int8", "all_gather", (2, 20), 0, "int8-b5", None, data="zero-block"),
+    Case("ag-inf-int8", "all_gather", (2, 20), 0, "int8-b5", None, data="inf"),
+    Case("ag-inf-bf16", "all_gather", (2, 20), 0, "bf16", None, data="inf"),
+    Case("ag-grad-only-int8", "all_gather", (3, 50), 0, None, "int8-b5"),
+    *(Case(f"rs-{f}", "reduce_scatter", (2, 260), 0, f, f) for f in ("int8-b128", "e4m3-b32", "bf16")),
+    Case("rs-dim1-e5m2", "reduce_scatter", (3, 4, 33), 1, "e5m2-row", None),
+    Case("rs-avg-int8", "reduce_scatter", (2, 16), 0, "int8-b5", "int8-b5"),
+    Case("rs-grad-only-bf16", "reduce_scatter", (2, 16), 0, None, "bf16"),
+]
+BY_ID = {c.id: c for c in CASES}
+
+
+def _fmt(name: str | None) -> Wire | None:
+    return None if name is None else FORMATS[name]
+
+
+def _call(case: Case, x: Tensor, group: Any = None) -> Tensor:
+    kw: dict[str, Any] = {"wire": _fmt(case.wire), "grad_wire": _fmt(case.grad_wire), "group": group}
+    if case.op == "all_gather":
+        return funcoll.all_gather(x, case.dim, tiled=case.tiled, **kw)
+    return funcoll.reduce_scatter(x, case.dim, op="avg" if "avg" in case.id else "sum", **kw)
+
+
+def _run_case(case: Case, rank: int, world: int) -> dict[str, Tensor]:
+    x = case.x(rank, world).requires_grad_(case.data == "randn")
+    y = _call(case, x)
+    out = {"y": y.detach().clone()}
+    if x.requires_grad:
+        (y * case.w(rank, tuple(y.shape))).sum().backward()
+        assert x.grad is not None
+        out["dx"] = x.grad.clone()
+    return out
+
+
+def _compiled(rank: int, world: int) -> dict[str, Tensor]:
+    """One fullgraph graph: an int8 all_gather with a bf16 backward, then an fp8 reduce-scatter with int8's."""
+
+    def step(x: Tensor) -> Tensor:
+        y = funcoll.all_gather(x, wire=Wire(I8, block=128), grad_wire=Wire(BF))
+        return funcoll.reduce_scatter(y * 2, wire=Wire(E4, block=32), grad_wire=Wire(I8, block=128))
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    y = torch.compile(step, fullgraph=True)(x)
+    y.sum().backward()
+    assert x.grad is not None
+    return {"y": y.detach(), "dx": x.grad}
+
+
+def _generated_code(rank: int, world: int) -> list[str]:
+    """Inductor's code for a producer, a quantized collective and a consumer, forward only."""
+    from torch._inductor.utils import run_and_get_code
+
+    def gather(x: Tensor) -> Tensor:
+        return funcoll.all_gather(x * 2 + 1, wire=Wire(I8, block=128)).relu()
+
+    def scatter(x: Tensor) -> Tensor:
+        return funcoll.reduce_scatter(x * 2 + 1, wire=Wire(E4, block=128)).relu()
+
+    x = torch.randn(8 * world, 512)
+    return [
+        code for f in (gather, scatter) for code in run_and_get_code(torch.compile(f, fullgraph=True), x)[1]
+    ]
+
+
+def _errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
+    """What each bad call raised (before any communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    x = torch.randn(world * 2, 4)
+    mesh = init_device_mesh("cpu", (world,))
+    calls = {
+        "dtensor-gather": lambda: funcoll.all_gather(
+            distribute_tensor(x, mesh, [Shard(0)]), group=mesh, wire=Wire(I8)
+        ),
+        "dtensor-scatter": lambda: funcoll.reduce_scatter(
+            distribute_tensor(x, mesh, [Partial()]), group=mesh, grad_wire=Wire(BF)
+        ),
+        "wire-str": lambda: funcoll.all_gather(x, wire="int8"),  # type: ignore[arg-type]
+        "int-data": lambda: funcoll.all_gather(x.long(), wire=Wire(I8)),
+        "int-grad": lambda: funcoll.reduce_scatter(x.long(), grad_wire=Wire(BF)),
+        "sizes": lambda: funcoll.reduce_scatter(x, sizes=[2] * world, wire=Wire(I8)),
+        "bad-dtype": lambda: Wire(torch.int32),
+        "block-on-cast": lambda: Wire(BF, block=4),
+        "block-zero": lambda: Wire(I8, block=0),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ("no error", "")
+        except Exception as e:  # noqa: BLE001 -- the test reads what was raised
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def run_body(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "cases": {c.id: _run_case(c, rank, world) for c in CASES},
+        "compiled": _compiled(rank, world),
+        "errors": _errors(rank, world),
+        "code": _generated_code(rank, world) if world == 2 else [],
+        "in_flight": funcoll.testing.in_flight(),
+    }
+
+
+batch = once_per_world(run_body, TIMEOUT_S)
+
+
+# ------------------------------------------------------------------ the references
+def bound(v: Tensor, wire: Wire | None) -> Tensor:
+    """Each value's rounding bound in `wire` (float64; zero when exact), from its block's scale."""
+    v = v.double()
+    if wire is None:
+        return torch.zeros_like(v)
+    rel, ab = ROUNDING[wire.dtype]
+    if not wire.scaled:
+        return rel * v.abs() + ab
+    t = v.reshape(1) if v.dim() == 0 else v
+    last = t.shape[-1]
+    width = wire.block or max(last, 1)
+    block_of = torch.arange(last) // width
+    nb = -(-last // width) if last else 0
+    amax = torch.zeros(*t.shape[:-1], nb, dtype=torch.float64)
+    amax = amax.scatter_reduce(-1, block_of.expand(t.shape), t.abs(), "amax")
+    scale = (amax / _SCALED[wire.dtype])[..., block_of]
+    # float32 slack: the scale and the division run in float32
+    return (rel * t.abs() + ab * scale + 2.0**-20 * (t.abs() + scale)).reshape(v.shape)
+
+
+def _pieces(t: Tensor, dim: int, world: int) -> list[Tensor]:
+    return list(t.chunk(world, dim)) if t.dim() else [t]
+
+
+def reference(case: Case, world: int) -> list[dict[str, Tensor]]:
+    xs = [case.x(r, world).double() for r in range(world)]
+    wire, grad_wire = _fmt(case.wire), _fmt(case.grad_wire)
+    single = world == 1  # a group of one moves nothing: exact
+    out = []
+    if case.op == "all_gather":
+        d = case.dim % max(len(case.shape), 1)
+        if not case.shape:
+            y, err = torch.stack(xs), torch.stack([bound(x, wire) for x in xs])
+        elif case.tiled:
+            y, err = torch.cat(xs, d), torch.cat([bound(x, wire) for x in xs], d)
+        else:
+            y, err = torch.stack(xs, d), torch.stack([bound(x, wire) for x in xs], d)
+        ws = [case.w(r, tuple(y.shape)).double() for r in range(world)]
+        for r in range(world):
+            ref: dict[str, Tensor] = {"y": y, "err": err * (not single)}
+            if case.data == "randn":
+                # x's gradient: the sum over ranks k of w_k's slice that came from rank r
+                parts = [w.unbind(d)[r] if not case.tiled else _pieces(w, d, world)[r] for w in ws]
+                if not case.shape:
+                    parts = [w[r] for w in ws]
+                ref["dx"] = sum(parts)  # type: ignore[assignment]
+                ref["dx_err"] = sum(bound(p, grad_wire) for p in parts) * (not single)  # type: ignore[assignment]
+            out.append(ref)
+        return out
+    d = case.dim
+    pieces = [_pieces(x, d, world) for x in xs]
+    avg = "avg" in case.id
+    for r in range(world):
+        y = sum(p[r] for p in pieces) / (world if avg else 1)
+        err = sum(bound(p[r], wire) for p in pieces) / (world if avg else 1)
+        ref = {"y": y, "err": err * (not single)}  # type: ignore[dict-item]
+        ws = [case.w(k, tuple(y.shape)).double() for k in range(world)]
+        ref["dx"] = torch.cat(ws, d) / (world if avg else 1)
+        ref["dx_err"] = torch.cat([bound(w, grad_wire) for w in ws], d) / (world if avg else 1) * (not single)
+        out.append(ref)
+    return out
+
+
+def _within(got: Tensor, want: Tensor, err: Tensor, where: str) -> None:
+    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    finite = torch.isfinite(want)
+    diff = (got.double() - want).abs()
+    slack = 1e-5 * (1 + want.abs())  # float32 data and sums against float64
+    bad = finite & (diff > err + slack)
+    assert not bad.any(), (
+        f"{where}: {int(bad.sum())} values off by more than the bound; worst "
+        f"{float((diff - err - slack)[bad].max()):.3g} over, at {bad.nonzero()[0].tolist()}"
+    )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cid", list(BY_ID))
+def test_within_the_format_bound_of_the_float64_reference(world: int, cid: str) -> None:
+    case = BY_ID[cid]
+    results = batch(world)
+    for r, ref in enumerate(reference(case, world)):
+        got = results[r]["cases"][cid]
+        where = f"{cid} w{world} rank {r}"
+        if case.data == "inf":
+            _non_finite(got["y"], ref["y"], case, world, where)
+            continue
+        _within(got["y"], ref["y"], ref["err"], where)
+        if "dx" in ref:
+            _within(got["dx"], ref["dx"], ref["dx_err"], f"{where} x.grad")
+        if (
+            world > 1
+            and case.wire is not None
+            and case.data == "randn"
+            and case.shape
+            and 0 not in case.shape
+        ):
+            assert not torch.equal(got["y"].double(), ref["y"]), (
+                f"{where}: no rounding at all: did it quantize?"
+            )
+
+
+def _non_finite(got: Tensor, want: Tensor, case: Case, world: int, where: str) -> None:
+    """An inf in a scaled format's block: that block arrives all NaN, the rest within bound; a cast keeps the inf."""
+    wire = _fmt(case.wire)
+    assert wire is not None
+    if world == 1 or not wire.scaled:
+        assert torch.isinf(got[0, 0]) and torch.equal(torch.isfinite(got), torch.isfinite(want)), where
+        return
+    block = wire.block or want.shape[-1]
+    assert torch.isnan(got[0, :block]).all(), f"{where}: the inf's block is not all NaN: {got[0, :block]}"
+    rest = torch.ones_like(got, dtype=torch.bool)
+    rest[0, :block] = False
+    assert torch.isfinite(got[rest]).all(), f"{where}: a NaN outside the inf's block"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_compiled_fullgraph_matches_the_reference(world: int) -> None:
+    xs = [torch.randn(3, 300, generator=torch.Generator().manual_seed(r)).double() for r in range(world)]
+    gathered = torch.cat(xs)
+    g_err = torch.cat([bound(x, Wire(I8, block=128)) for x in xs]) * (world > 1)
+    for r in range(world):
+        got = batch(world)[r]["compiled"]
+        n = 3
+        # rank r: the sum over ranks of (2 * gathered)'s slice r (every rank holds the same gathered tensor)
+        want = 2 * world * gathered[r * n : (r + 1) * n]
+        slices = [2 * gathered[r * n : (r + 1) * n] for _ in range(world)]
+        err = (
+            sum(bound(s, Wire(E4, block=32)) for s in slices) * (world > 1)
+            + 2 * world * g_err[r * n : (r + 1) * n]
+        )
+        _within(got["y"], want, err, f"compiled w{world} rank {r}")
+        # x.grad: 2 * the sum over ranks of the ones the reduce-scatter's backward gathers (in int8,
+        # then bf16: ones and 2 * world are exact in bf16, and 1 to int8's 127 / 127 in float32)
+        torch.testing.assert_close(got["dx"], torch.full((3, 300), 2.0 * world), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_formats_raise_before_communicating(world: int) -> None:
+    want = {
+        "wire-str": (
+            "TypeError",
+            "funcoll.all_gather: `wire` must be a funcoll.Wire or None, got str 'int8'",
+        ),
+        "int-data": ("TypeError", "funcoll.all_gather: `wire`=Wire(torch.int8) quantizes floating data"),
+        "int-grad": ("TypeError", "funcoll.reduce_scatter: `grad_wire`=Wire(torch.bfloat16) quantizes"),
+        "sizes": (
+            "ValueError",
+            "funcoll.reduce_scatter: `wire`=Wire(torch.int8), `grad_wire`=None are for equal",
+        ),
+        "bad-dtype": ("ValueError", "funcoll.Wire: `dtype`=torch.int32 is not a wire format"),
+        "block-on-cast": ("ValueError", "funcoll.Wire: `block`=4 is for the 8-bit formats"),
+        "block-zero": ("ValueError", "funcoll.Wire: `block`=0 must be a positive int or None"),
+        "dtensor-gather": (
+            "ValueError",
+            "funcoll.all_gather: `wire`=Wire(torch.int8), `grad_wire`=None: a DTensor",
+        ),
+        "dtensor-scatter": (
+            "ValueError",
+            "funcoll.reduce_scatter: `wire`=None, `grad_wire`=Wire(torch.bfloat16): a",
+        ),
+    }
+    for r in range(world):
+        got = batch(world)[r]
+        for name, (kind, start) in want.items():
+            assert got["errors"][name][0] == kind and got["errors"][name][1].startswith(start), (
+                name,
+                got["errors"][name],
+            )
+        assert got["in_flight"] == 0
+
+
+def test_the_bytes_on_the_wire() -> None:
+    """What travels: 8-bit codes and float32 block scales (a quarter of float32's bytes and a little), or 2 bytes a value."""
+    x = torch.randn(16, 1024)
+    assert encode(x, Wire(I8, block=128)).numel() == 16 * 1024 + 16 * 8 * 4
+    assert encode(x, Wire(E4, block=128)).numel() == Wire(E4, block=128).nbytes(x.shape) == 16 * (1024 + 32)
+    assert encode(x, Wire(BF)).numel() == 2 * x.numel()
+    assert Wire(E5).nbytes((3, 5)) == 3 * 4 + 15 + 1  # one scale a row, padded to 4 bytes
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", [(7, 300), (5,), (), (4, 0), (2, 3, 129)])
+def test_encode_decode_within_bound_eager_and_compiled(fmt: str, shape: tuple[int, ...]) -> None:
+    """One process: the round trip within the bound, and inductor's bytes equal eager's."""
+    wire = FORMATS[fmt]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 3
+    y = decode(encode(x, wire), wire, x.shape, x.dtype)
+    _within(y, x.double(), bound(x, wire), f"{fmt} {shape}")
+    if len(shape) < 2 or 0 in shape:
+        return
+    torch.compiler.reset()  # one graph per case: not the recompile limit of one lambda
+    compiled = torch.compile(lambda t: encode(t, wire), fullgraph=True)(x)
+    assert torch.equal(compiled, encode(x, wire)), f"{fmt} {shape}: inductor's bytes differ from eager's"
+
+
+def test_inductor_fuses_the_quantization_into_the_producer_and_the_consumer() -> None:
+    """No kernel only reads and writes the full-precision payload.
+
+    The producer (``x * 2 + 1``) fuses with the encoding, which reads float32 and writes
+    8-bit codes and float32 scales; the decoding, which reads bytes, fuses with the
+    consumer (``relu``). A kernel of float pointers alone would be a pass over the
+    float32 payload that the quantization added (inductor's C++ kernels on the CPU).
+    """
+    code = "\n".join(batch(2)[0]["code"])
+    kernels = re.findall(r"(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\])", code)
+    assert len(kernels) >= 4, f"expected an encode and a decode kernel per op, got {[k for k, _ in kernels]}"
+    for name, args in kernels:
+        pointers = re.findall(r"'([^']*)\*'", args)
+        assert not all(p.endswith("float") for p in pointers), (
+            f"{name}{args}: a float-only pass over the payload"
+        )
+    encodes = [
+        n for n, a in kernels if "const float*" in a and re.search(r"'(int8_t|at::Float8_e4m3fn)\*'", a)
+    ]
+    assert len(encodes) >= 2, f"no kernel reads the float input and writes 8-bit codes: {kernels}"
