@@ -436,6 +436,11 @@ def _call_all_to_all_v_given(x: Tensor, group: Any = None) -> tuple[Tensor, Tens
     return funcoll.all_to_all_v(x, send_sizes(rank, world), recv_sizes(rank, world), group=group)
 
 
+def _call_all_to_all_v_wire(x: Tensor, group: Any = None) -> tuple[Tensor, Tensor]:
+    rank, world = _rank_and_world(group)
+    return funcoll.all_to_all_v(x, send_sizes(rank, world), group=group, wire=funcoll.Wire(torch.int8))
+
+
 def _ref_all_to_all_v(all_inputs: list[Inputs], world: int) -> list[Outputs]:
     send = [send_sizes(i, world) for i in range(world)]
     blocks = [_split(x, send[i], 0) for i, x in enumerate(_firsts(all_inputs))]
@@ -788,6 +793,13 @@ CASES: list[OpCase] = [
         call=_call_all_to_all_v_given,
         reference=_ref_all_to_all_v,
         at_scale=True,
+    ),
+    _case(  # quantized rows: each row's int8 codes and scale, the splits in rows
+        "all_to_all_v-recv-exchanged-wire-int8-x_nx5",
+        _exact_in("int8", "all_to_all_v-recv-exchanged-wire-int8-x_nx5", _send_total, 5),
+        call=_call_all_to_all_v_wire,
+        reference=_ref_all_to_all_v,
+        exchanges_sizes=True,
     ),
     _case(
         "gather_padded-x4x5-dim0",

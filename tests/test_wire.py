@@ -122,6 +122,66 @@ def _compiled(rank: int, world: int) -> dict[str, Tensor]:
     return {"y": y.detach(), "dx": x.grad}
 
 
+# ----------------------------------------------------- rows: all_to_all_v and moe
+A2A_WIRE, A2A_GRAD = Wire(E4, block=64), Wire(I8, block=100)
+MOE_WIRE, MOE_GRAD, COMBINE_WIRE = Wire(E4, block=128), Wire(BF), Wire(BF)
+E_LOCAL, K, H = 2, 2, 160
+
+
+def _send_sizes(rank: int, world: int) -> list[int]:
+    return [(rank + 2 * j) % 3 for j in range(world)]  # zeros included: empty blocks
+
+
+def _a2a_x(rank: int, world: int) -> Tensor:
+    g = torch.Generator().manual_seed(500 + rank)
+    return torch.randn(sum(_send_sizes(rank, world)), 200, generator=g) * (1 + rank)
+
+
+def _moe_inputs(rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x (T, H), distinct top-k expert ids (T, K), weights (T, K); rank 1 holds no token."""
+    g = torch.Generator().manual_seed(900 + rank)
+    tokens = 0 if rank == 1 else 3 + rank
+    x = torch.randn(tokens, H, generator=g)
+    picks = [torch.randperm(world * E_LOCAL, generator=g)[:K] for _ in range(tokens)]
+    idx = torch.stack(picks) if picks else torch.zeros(0, K, dtype=torch.int64)
+    return x, idx, torch.rand(tokens, K, generator=g)
+
+
+def _rows_cases(rank: int, world: int) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    x = _a2a_x(rank, world).requires_grad_()
+    y, _ = funcoll.all_to_all_v(x, _send_sizes(rank, world), wire=A2A_WIRE, grad_wire=A2A_GRAD)
+    (y * _row_weights(rank, y.shape[0], y.shape[1])).sum().backward()
+    assert x.grad is not None
+    out["a2a_y"], out["a2a_dx"] = y.detach(), x.grad
+    x, idx, w = _moe_inputs(rank, world)
+    x.requires_grad_()
+    for mode in ("exact", "static"):
+        recv, handle = funcoll.moe.dispatch(
+            x,
+            idx,
+            world * E_LOCAL,
+            mode=mode,
+            capacity=None if mode == "exact" else 8,
+            wire=MOE_WIRE,
+            grad_wire=MOE_GRAD,
+        )
+        if mode == "exact":  # the static recv's gradient reaches the same tokens
+            (recv * _row_weights(rank, recv.shape[0], H)).sum().backward()
+            assert x.grad is not None
+            out["dispatch_dx"] = x.grad.clone()
+        out[f"{mode}_recv"] = recv.detach()
+        out[f"{mode}_offsets"], out[f"{mode}_ends"] = handle.offsets, handle.ends
+    # combine in bf16 of rows that an exact dispatch brought (the experts: times 2)
+    exact, handle = funcoll.moe.dispatch(x.detach(), idx, world * E_LOCAL)
+    out["combined"] = funcoll.moe.combine(exact * 2, handle, w, wire=COMBINE_WIRE)
+    return out
+
+
+def _row_weights(rank: int, rows: int, width: int) -> Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(40 + rank))
+
+
 def _generated_code(rank: int, world: int) -> list[str]:
     """Inductor's code for a producer, a quantized collective and a consumer, forward only."""
     from torch._inductor.utils import run_and_get_code
@@ -175,6 +235,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
         "cases": {c.id: _run_case(c, rank, world) for c in CASES},
         "compiled": _compiled(rank, world),
         "errors": _errors(rank, world),
+        "rows": _rows_cases(rank, world),
         "code": _generated_code(rank, world) if world == 2 else [],
         "in_flight": funcoll.testing.in_flight(),
     }
@@ -399,3 +460,91 @@ def test_inductor_fuses_the_quantization_into_the_producer_and_the_consumer() ->
         n for n, a in kernels if "const float*" in a and re.search(r"'(int8_t|at::Float8_e4m3fn)\*'", a)
     ]
     assert len(encodes) >= 2, f"no kernel reads the float input and writes 8-bit codes: {kernels}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all_v_rows_within_the_bound(world: int) -> None:
+    """Each row encoded on its own: rank j gets rank i's block j; the gradient comes back in int8."""
+    xs = [_a2a_x(r, world).double() for r in range(world)]
+    send = [_send_sizes(r, world) for r in range(world)]
+    blocks = [list(x.split(s)) for x, s in zip(xs, send, strict=True)]  # blocks[i][j]: i's rows for j
+    got = [batch(world)[r]["rows"] for r in range(world)]
+    quantized = world > 1
+    for j in range(world):
+        want = torch.cat([blocks[i][j] for i in range(world)])
+        _within(got[j]["a2a_y"], want, bound(want, A2A_WIRE) * quantized, f"all_to_all_v w{world} rank {j}")
+    weights = [_row_weights(j, sum(send[i][j] for i in range(world)), 200).double() for j in range(world)]
+    for i in range(world):  # rank i's rows for j came back from where they landed on j
+        parts = []
+        for j in range(world):
+            start = sum(send[q][j] for q in range(i))
+            parts.append(weights[j][start : start + send[i][j]])
+        want = torch.cat(parts)
+        _within(
+            got[i]["a2a_dx"],
+            want,
+            bound(want, A2A_GRAD) * quantized,
+            f"all_to_all_v w{world} rank {i} x.grad",
+        )
+
+
+def _moe_reference(world: int) -> tuple[list[Tensor], list[list[tuple[int, int, int]]]]:
+    """Every rank's exact recv (float64) and which (source rank, token, expert) each row is.
+
+    Rank j's rows: its local experts in order; within one, the source ranks in
+    order; within a source, its tokens in order (docs/moe.md's layout, align 1).
+    """
+    inputs = [_moe_inputs(r, world) for r in range(world)]
+    recv, pairs = [], []
+    for j in range(world):
+        rows, who = [], []
+        for e in range(j * E_LOCAL, (j + 1) * E_LOCAL):
+            for i, (x, idx, _) in enumerate(inputs):
+                for t in range(x.shape[0]):
+                    if e in idx[t].tolist():
+                        rows.append(x[t].double())
+                        who.append((i, t, e))
+        recv.append(torch.stack(rows) if rows else torch.zeros(0, H, dtype=torch.float64))
+        pairs.append(who)
+    return recv, pairs
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_moe_dispatch_in_fp8_and_combine_in_bf16_within_the_bound(world: int) -> None:
+    """DeepEP's formats: FP8 dispatch (BF16 gradient back), BF16 combine, exact and static modes."""
+    recv, pairs = _moe_reference(world)
+    got = [batch(world)[r]["rows"] for r in range(world)]
+    quantized = world > 1
+    for j in range(world):
+        err = bound(recv[j], MOE_WIRE) * quantized
+        _within(got[j]["exact_recv"], recv[j], err, f"dispatch exact w{world} rank {j}")
+        # static mode: each expert's block holds the same rows, zeros after them
+        static, offsets, ends = got[j]["static_recv"], got[j]["static_offsets"], got[j]["static_ends"]
+        counts = [sum(1 for *_, f in pairs[j] if f == e) for e in range(j * E_LOCAL, (j + 1) * E_LOCAL)]
+        start = 0
+        for e, n in enumerate(counts):
+            block = static[int(offsets[e]) : int(ends[e])]
+            _within(
+                block,
+                recv[j][start : start + n],
+                err[start : start + n],
+                f"dispatch static w{world} rank {j} e{e}",
+            )
+            start += n
+    # x.grad: the weights of every row a token's copies landed in, summed, each row in bf16
+    for i in range(world):
+        x, _, w = _moe_inputs(i, world)
+        want = torch.zeros(x.shape[0], H, dtype=torch.float64)
+        err = torch.zeros_like(want)
+        for j in range(world):
+            v = _row_weights(j, len(pairs[j]), H).double()
+            for p, (src, t, _) in enumerate(pairs[j]):
+                if src == i:
+                    want[t] += v[p]
+                    err[t] += bound(v[p], MOE_GRAD) * quantized
+        _within(got[i]["dispatch_dx"], want, err, f"dispatch w{world} rank {i} x.grad")
+        # combine: sum_c w[t, c] * 2 * x[t], the rows 2 * x[t] back in bf16
+        rows = 2 * x.double()
+        combined = (w.double().sum(1, keepdim=True)) * rows
+        c_err = w.double().sum(1, keepdim=True) * bound(rows, COMBINE_WIRE) * quantized
+        _within(got[i]["combined"], combined, c_err, f"combine w{world} rank {i}")

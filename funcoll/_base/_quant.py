@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._sym import prod
+
 __all__ = ["Wire"]
 
 # The formats with a scale per block, and the largest code of each.
@@ -129,8 +131,9 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     on its own): the result is ``(*x.shape[:lead], wire.nbytes(x.shape[lead:]))``.
     """
     outer = x.shape[:lead]
+    per = prod(x.shape[lead:])  # values in each of the `lead` items (explicit: there may be no item)
     if not wire.scaled:
-        return x.to(wire.dtype).reshape(*outer, -1).view(torch.uint8)
+        return x.to(wire.dtype).reshape(*outer, per).view(torch.uint8)
     t = x.reshape(*outer, 1) if x.dim() == lead else x  # a 0-d tensor: one block of one value
     last = t.shape[-1]
     width = last if wire.block is None else wire.block
@@ -153,8 +156,8 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     q = q.clamp_(-fmax, fmax)  # float8 has no inf: past its largest code a cast gives NaN
     if wire.dtype == torch.int8:
         q = q.round_()
-    codes = q.to(wire.dtype).reshape(*outer, -1).view(torch.uint8)
-    scales = scale.reshape(*outer, -1).view(torch.uint8)
+    codes = q.to(wire.dtype).reshape(*outer, per).view(torch.uint8)
+    scales = scale.reshape(*outer, prod(t.shape[lead:-1]) * nb).view(torch.uint8)
     used = scales.shape[-1] + codes.shape[-1]
     pad = codes.new_zeros(*outer, _round4(used) - used)
     return torch.cat([scales, codes, pad], -1)

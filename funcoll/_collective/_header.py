@@ -35,6 +35,7 @@ from torch import Tensor
 from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
 from .._base._config import check_due, checks_enabled
 from .._base._group import Group, group_of, rank_of, size_of
+from .._base._quant import Wire, show_code, wire_code
 from .._base._strategy import STRATEGIES
 from .._base._sym import Stats, max_of, min_of
 from . import _issue
@@ -606,3 +607,23 @@ def row_sizes(
         exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
     stats = (min_of(*sizes), max_of(*sizes), sum(sizes))
     return sizes, stats, None
+
+
+# ------------------------------------------------------ the wire formats' agreement
+def same_wire(opname: str, rows: list[list[int]]) -> None:
+    """A quantizing op's formats (tail columns world and world + 1, :func:`wire_tail`): the same on every rank."""
+    at = WIDTH + len(rows)
+    for col, arg in ((at, "`wire`"), (at + 1, "`grad_wire`")):
+        disagree(opname, rows, arg, lambda r, c=col: r[c], lambda r, c=col: show_code(r[c]))
+
+
+def wire_tail(
+    world: int, sizes: Sequence[IntLike], wire: Wire | None, grad_wire: Wire | None
+) -> list[IntLike] | None:
+    """A checked call's header tail: the op's `sizes` (world of them, or zeros), then both formats' codes.
+
+    None when both formats are exact and the op has no sizes: the tail then stays zeros.
+    """
+    if wire is None and grad_wire is None:
+        return list(sizes) or None
+    return [*(list(sizes) or [0] * world), wire_code(wire), wire_code(grad_wire)]

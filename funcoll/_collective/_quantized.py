@@ -13,14 +13,16 @@ the exact collective). The forward's rounding counts as the identity
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._base._checks import IntLike
 from .._base._quant import Wire, decode, encode
 from . import _faults
-from ._prims import all_gather_impl, all_to_all_impl, reduce_scatter_impl, scale_for_op
+from ._prims import all_gather_impl, all_to_all_impl, ctx_ints, reduce_scatter_impl, scale_for_op
 
 # How the pieces a rank receives are reduced once decoded; avg is sum / world.
 _REDUCE = {
@@ -32,12 +34,21 @@ _REDUCE = {
 }
 
 
+def _own(y: Tensor) -> Tensor:
+    """A decoded result as a tensor of its own in a compiled graph (inductor writes it in the decoding kernel).
+
+    Dynamo 2.11 drops the gradient of an autograd.Function whose forward returns a
+    view of a tensor made inside it (decode's last reshape); eager autograd keeps it.
+    """
+    return y.clone() if torch.compiler.is_compiling() else y
+
+
 def _gather(x: Tensor, wire: Wire | None, group_name: str, world: int) -> Tensor:
     """``(*S) -> (world, *S)``: every rank's `x`, sent as `wire`'s bytes (None: as is) in one all_gather."""
     if wire is None:
         return all_gather_impl(x.reshape(1, -1), group_name, world).view(world, *x.shape)
     got = all_gather_impl(encode(x, wire), group_name, world)  # (world * B,)
-    return decode(got.view(world, -1), wire, x.shape, x.dtype)
+    return _own(decode(got.view(world, -1), wire, x.shape, x.dtype))
 
 
 def _scatter_reduce(x: Tensor, wire: Wire | None, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -102,3 +113,50 @@ def reduce_scatter_wire_p(
 ) -> Tensor:
     """``(world, *S) -> (*S)``: the pieces in `wire` (None: exact); the gradient's all_gather in `grad_wire`."""
     return _ReduceScatter.apply(x, wire, grad_wire, reduce_op, group_name, world)
+
+
+def _rows(x: Tensor, wire: Wire | None, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
+    """``(n, *R) -> (m, *R)``: ``send[j]`` rows to rank j, ``recv[i]`` from rank i, each row encoded on its own."""
+    if wire is None:
+        return all_to_all_impl(x, recv, send, group_name)
+    got = all_to_all_impl(encode(x, wire, lead=1), recv, send, group_name)  # (m, B): a row's bytes
+    return _own(decode(got, wire, x.shape[1:], x.dtype))
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        wire: Wire | None,
+        grad_wire: Wire | None,
+        recv: list[IntLike],
+        send: list[IntLike],
+        group_name: str,
+    ) -> Tensor:
+        _faults.remember(ctx)
+        ctx.grad_wire, ctx.group_name = grad_wire, group_name
+        ctx.recv, ctx.send = ctx_ints(recv), ctx_ints(send)
+        return _rows(x, wire, recv, send, group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = all_to_all_rows_wire_p(grad, ctx.send, ctx.recv, ctx.group_name, ctx.grad_wire, None)
+        return g, None, None, None, None, None
+
+
+def all_to_all_rows_wire_p(
+    x: Tensor,
+    recv: Sequence[IntLike],
+    send: Sequence[IntLike],
+    group_name: str,
+    wire: Wire | None,
+    grad_wire: Wire | None,
+) -> Tensor:
+    """Send ``send[j]`` rows of `x` to rank j, receive ``recv[i]`` from rank i, each row in `wire` (None: exact).
+
+    A row's blocks run along its last dim; its scales travel with its codes, so the
+    splits count rows as the exact all_to_all's do. The backward: the same with the
+    splits swapped, in `grad_wire`.
+    """
+    return _AllToAllRows.apply(x, wire, grad_wire, list(recv), list(send), group_name)

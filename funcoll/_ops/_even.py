@@ -24,7 +24,7 @@ from .._base._checks import (
 )
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire, check_wire, show_code, wire_code
+from .._base._quant import Wire, check_wire
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
@@ -44,7 +44,9 @@ from .._collective._header import (
     describe,
     disagree,
     same_tails,
+    same_wire,
     tails,
+    wire_tail,
     with_stats,
 )
 from .._collective._quantized import all_gather_wire_p, reduce_scatter_wire_p
@@ -91,22 +93,6 @@ def _exact_for_dtensor(opname: str, wire: Wire | None, grad_wire: Wire | None) -
         )
 
 
-def _same_wire(opname: str, rows: list[list[int]]) -> None:
-    """all_gather's and reduce_scatter's formats (tail columns world and world + 1): the same on every rank."""
-    at = WIDTH + len(rows)
-    for col, arg in ((at, "`wire`"), (at + 1, "`grad_wire`")):
-        disagree(opname, rows, arg, lambda r, c=col: r[c], lambda r, c=col: show_code(r[c]))
-
-
-def _wire_tail(
-    world: int, sizes: list[IntLike], wire: Wire | None, grad_wire: Wire | None
-) -> list[IntLike] | None:
-    """A checked call's header tail: the op's `sizes` (world of them), then both formats' codes; None if exact."""
-    if wire is None and grad_wire is None:
-        return sizes or None
-    return [*(sizes or [0] * world), wire_code(wire), wire_code(grad_wire)]
-
-
 _STACKS = "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
 _TILED = (Arg("dim"), Arg("tiled", bool))
 _GATHER, _SCATTER, _A2A = fixed({AG: 1}, {RS: 1}), fixed({RS: 1}, {AG: 1}), fixed({A2A: 1}, {A2A: 1})
@@ -115,7 +101,7 @@ _GATHER, _SCATTER, _A2A = fixed({AG: 1}, {RS: 1}), fixed({RS: 1}, {AG: 1}), fixe
 @entry(
     "all_gather",
     EVEN,
-    header=Header(args=_TILED, reads=NDIM_ONLY, checks=(_same_wire,), check_only=True),
+    header=Header(args=_TILED, reads=NDIM_ONLY, checks=(same_wire,), check_only=True),
     collectives=_GATHER,
     placements=("Shard(dim)", "Replicate()"),
     dtensor=_all_gather_dtensor,
@@ -188,7 +174,7 @@ def _all_gather(
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
     check_wire(opname, x, wire_as, grad_wire)
-    tail = _wire_tail(g.size, [], wire_as, grad_wire)
+    tail = wire_tail(g.size, [], wire_as, grad_wire)
     x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)), sizes=tail)
     if g.is_single:
         return fresh(x) if tiled else fresh(x.unsqueeze(d))
@@ -298,7 +284,7 @@ def _reduce_scatter_plan(world: int, variant: str) -> Plan:
         args=(REDUCE_OP, SIZES_GIVEN),
         # this rank's slice sizes, then their min, max and sum
         reads=Reader(lambda rows, rank: with_stats(rows[rank][WIDTH : WIDTH + len(rows)]), lambda w: w + 3),
-        checks=(_slices_agree, _same_wire),
+        checks=(_slices_agree, same_wire),
     ),
     collectives=_reduce_scatter_plan,
     placements=("Partial(op)", "Shard(dim)"),
@@ -383,7 +369,7 @@ def reduce_scatter(
             f"pass `sizes` for a ragged reduce-scatter"
         )
     n = x.shape[d] // g.size
-    tail = _wire_tail(g.size, [n] * g.size, wire, grad_wire)
+    tail = wire_tail(g.size, [n] * g.size, wire, grad_wire)
     x = check_agreement("reduce_scatter", x, g, d, (REDUCE_OPS.index(reduce_op), 0), tail)
     if g.is_single:
         y = fresh(x)

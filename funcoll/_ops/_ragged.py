@@ -29,6 +29,7 @@ from .._base._checks import (
 from .._base._config import checks_enabled
 from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
+from .._base._quant import Wire, check_wire
 from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
 from .._base._wire import unwire, wire_op
@@ -52,8 +53,11 @@ from .._collective._header import (
     host_sizes,
     row_sizes,
     same_tails,
+    same_wire,
     tails,
+    wire_tail,
 )
+from .._collective._quantized import all_to_all_rows_wire_p
 from .._collective._rows import from_rows, ints_on, to_rows
 from ._entry import Refusal, entry
 from ._region import gather_shards
@@ -499,7 +503,7 @@ def _send_sizes_sum(opname: str, rows: list[list[int]]) -> None:
             lambda rows, rank: rows[rank][WIDTH : WIDTH + len(rows)] + [r[WIDTH + rank] for r in rows],
             lambda w: 2 * w,
         ),
-        checks=(_send_sizes_sum,),
+        checks=(_send_sizes_sum, same_wire),
     ),
     collectives=_sized_a2a_plan,
     refuse=Refusal("it sends any rows to any rank", "funcoll.all_to_all or funcoll.to_ragged"),
@@ -511,6 +515,8 @@ def all_to_all_v(
     *,
     dim: int = 0,
     group: GroupLike = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Uneven all-to-all along `dim` (MoE dispatch): rank r sends ``send_sizes[j]`` rows to rank j.
 
@@ -526,13 +532,20 @@ def all_to_all_v(
             (one small all_gather that also checks the ranks agree on shapes).
         dim: the dim the rows are counted along.
         group: the communicator.
+        wire: the format the rows travel in (docs/wire.md), each row encoded on its
+            own with its block scales along its last dim (``x``'s last dim, or the
+            one before it for ``dim=-1``), so the sizes still count rows:
+            ``funcoll.Wire(torch.float8_e4m3fn, block=128)`` is DeepEP's FP8
+            dispatch. None (default): exact. A floating `x` only.
+        grad_wire: the format of the backward's all_to_all_v (None: exact).
 
     Returns:
         ``(y, recv_sizes)``: `y` the received rows (a new tensor), `recv_sizes` an int64
         tensor of shape ``(world,)`` on ``x.device``, given or exchanged. The pair is
         returned either way so the result type never depends on the arguments.
 
-    Backward: ``all_to_all_v`` of the gradient with send and receive sizes swapped.
+    Backward: ``all_to_all_v`` of the gradient with send and receive sizes swapped,
+    in `grad_wire`; the forward's rounding in `wire` counts as the identity.
 
     A DTensor `x` is refused: rows sent to any rank have no placement; see
     :func:`funcoll.to_ragged` (docs/dtensor.md).
@@ -546,6 +559,7 @@ def all_to_all_v(
     """
     opname, g = "funcoll.all_to_all_v", cast(Group, group)
     d = check_dim(opname, x, dim)
+    check_wire(opname, x, wire, grad_wire)
     xm = to_rows(x, d)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):
@@ -557,6 +571,9 @@ def all_to_all_v(
         if g.is_single:
             _check_total(opname, "send_sizes", host_sizes(opname, "send_sizes", send_t, 1), x, d)
             return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
+        tail = wire_tail(g.size, [], wire, grad_wire)  # the formats' codes after the send sizes
+        if tail is not None:
+            send_t = torch.cat([send_t.to(torch.int64), send_t.new_tensor(tail[g.size :], dtype=torch.int64)])
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
         send, recv = ints[: g.size], ints[g.size :]
         recv_t = table[:, WIDTH + g.rank].clone()
@@ -575,7 +592,9 @@ def all_to_all_v(
                 raise ValueError(f"{opname}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
-    return from_rows(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype, d), recv_t
+    if wire is None and grad_wire is None:
+        return from_rows(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype, d), recv_t
+    return from_rows(all_to_all_rows_wire_p(xm, recv, send, g.name, wire, grad_wire), x.dtype, d), recv_t
 
 
 def _host_sizes_pair(

@@ -70,6 +70,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from .. import moe
+from .._base._quant import Wire
 
 __all__ = ["FuncollTokenDispatcher", "funcoll_dispatcher"]
 
@@ -94,6 +95,11 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         grow: dropless mode: after an overflow, use the need rounded up to 4
             significant bits (at most 1/8 more) from then on (default True).
             ``overflows`` counts the dispatches that fell back to exact mode.
+        dispatch_wire, dispatch_grad_wire, combine_wire, combine_grad_wire: the
+            :class:`funcoll.Wire` formats of the token rows each way and of their
+            gradients (docs/wire.md; None: exact). DeepEP's:
+            ``dispatch_wire=Wire(torch.float8_e4m3fn, block=128)``,
+            ``dispatch_grad_wire=Wire(torch.bfloat16)``, ``combine_wire=Wire(torch.bfloat16)``.
 
     ``dispatch`` returns ``(routed_input, block_sizes, handle)``: the tokens grouped
     by local expert (:func:`funcoll.moe.dispatch`'s ``recv``), each local expert's
@@ -112,6 +118,10 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         capacity_factor: float | None = None
         align: int = 1
         grow: bool = True
+        dispatch_wire: Wire | None = None
+        dispatch_grad_wire: Wire | None = None
+        combine_wire: Wire | None = None
+        combine_grad_wire: Wire | None = None
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -141,6 +151,8 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         self.capacity_factor = config.capacity_factor
         self.align = config.align
         self.grow = config.grow
+        self.dispatch_formats = {"wire": config.dispatch_wire, "grad_wire": config.dispatch_grad_wire}
+        self.combine_formats = {"wire": config.combine_wire, "grad_wire": config.combine_grad_wire}
         self.overflows = 0  # dropless: dispatches that fell back to exact mode
         self._grown = 0  # dropless: the capacity the last overflow grew to
 
@@ -182,6 +194,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
             align=self.align,
             counts=num_local_tokens_per_expert_E,
             topk_weights=topk_scores_TK,
+            **self.dispatch_formats,
         )
         if handle.group_needed is not None and handle.mode == "exact":  # dropless overflowed
             self.overflows += 1
@@ -200,7 +213,7 @@ class FuncollTokenDispatcher(BaseEPTokenDispatcher):
         """Each token's expert outputs, weighted by its router scores and summed: ``(T, D)``."""
         if isinstance(metadata, LocalDispatchMetadata):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
-        return moe.combine(routed_output_RD, metadata).to(x_TD.dtype)
+        return moe.combine(routed_output_RD, metadata, **self.combine_formats).to(x_TD.dtype)
 
 
 def _round_up(need: int) -> int:

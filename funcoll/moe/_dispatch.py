@@ -8,6 +8,7 @@ from torch import Tensor
 from .._base._checks import IntLike
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike, resolve_group
+from .._base._quant import Wire, check_wire
 from .._collective import _prims
 from .._collective._async import wait
 from .._collective._header import (
@@ -19,7 +20,10 @@ from .._collective._header import (
     disagree,
     host_ints,
     named,
+    same_wire,
+    wire_tail,
 )
+from .._collective._quantized import all_to_all_rows_wire_p
 from .._ops._entry import Refusal, entry
 from ._autograd import Gather, take, weighted_sum
 from ._dropless import Dropless
@@ -121,21 +125,31 @@ def _check_dispatch_args(
     return x, topk_idx
 
 
-def _exchange_rows(rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group) -> Tensor:
+# The rows' formats on the wire, (this direction's, the gradient's): `wire` and `grad_wire`.
+Formats = tuple[Wire | None, Wire | None]
+EXACT: Formats = (None, None)
+
+
+def _exchange_rows(
+    rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group, formats: Formats = EXACT
+) -> Tensor:
     """Send ``send[j]`` of `rows` to rank j, receive ``recv[i]`` from rank i: all_to_all_v's move.
 
     The sizes are host ints already, so this is ``all_to_all_v(rows, send, recv)``'s
     primitive (its backward: the same with the sizes swapped) without the
     ``recv_sizes`` tensor that op also returns: on CUDA, building that tensor from
     host ints is a blocking host-to-device copy, which combine must not pay.
+    `formats`: each row encoded on its own (docs/wire.md), this way and the gradient's.
     """
     if g.is_single:
         return rows
     torch._check(sum(send) == rows.shape[0])
-    return _prims.all_to_all_p(rows, recv, send, g.name)
+    if formats == EXACT:
+        return _prims.all_to_all_p(rows, recv, send, g.name)
+    return all_to_all_rows_wire_p(rows, recv, send, g.name, *formats)
 
 
-def _exchange_blocks(t: Tensor, g: Group) -> Tensor:
+def _exchange_blocks(t: Tensor, g: Group, formats: Formats = EXACT) -> Tensor:
     """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
 
     The primitive, not the public op: dispatch and combine pass only their own
@@ -145,7 +159,9 @@ def _exchange_blocks(t: Tensor, g: Group) -> Tensor:
     if g.is_single:
         return t
     block = [t.shape[0] // g.size] * g.size  # static mode's rows are world equal blocks
-    return _prims.all_to_all_p(t, block, block, g.name)
+    if formats == EXACT:
+        return _prims.all_to_all_p(t, block, block, g.name)
+    return all_to_all_rows_wire_p(t, block, block, g.name, *formats)
 
 
 Layout = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # source, counts, offsets, ends, back_index
@@ -266,6 +282,7 @@ def _exact_receive(
     ints: list[IntLike] | None,
     align: int,
     g: Group,
+    formats: Formats,
 ) -> tuple[Tensor, Layout, dict[str, object]]:
     """Exact mode's uneven all-to-all and the received rows laid out by expert: (out, layout, handle extras).
 
@@ -282,7 +299,7 @@ def _exact_receive(
     send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
     n_in = sum(recv_sizes)
     torch._check(rows >= n_in)
-    recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g)
+    recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g, formats)
     source, dest_of, counts, offsets, ends = expert_layout(recv_counts, n_in, rows, align)
     back_index = dest_of  # every received row is data: no index past the rows of y
     # The backward gathers each received row's gradient from its layout row.
@@ -295,7 +312,7 @@ def _exact_receive(
 
 
 def _static_receive(
-    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, g: Group
+    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, g: Group, formats: Formats
 ) -> tuple[Tensor, Layout, dict[str, object]]:
     """Static mode's even all_to_all of the blocks, laid out by expert: (out, layout, handle extras)."""
     world = g.size
@@ -303,7 +320,7 @@ def _static_receive(
     rows = -(-(world * cap + e_local * (align - 1)) // align) * align
     # One even all_to_all of the blocks: the counts are known from the counts exchange,
     # so nothing else travels (no header, no pack; the blocks stay where they land).
-    recv = _exchange_blocks(send_rows, g)
+    recv = _exchange_blocks(send_rows, g, formats)
     source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
     # The rows combine sends back, as the blocks came: block row q carries its layout
     # row, if it holds data; otherwise an index past y's rows, which combine's gather
@@ -352,6 +369,7 @@ def _route(
     g: Group,
     group: GroupLike,
     topk_weights: Tensor | None,
+    formats: Formats,
 ) -> tuple[Tensor, MoEHandle]:
     """Dispatch's steps in the order they are issued: dropless's table, the counts
     exchange, the send side laid out while the counts travel, the rows' exchange
@@ -403,9 +421,9 @@ def _route(
     recv_counts = wait(recv_counts)
     if mode == "exact":
         ints = None if known is None else known[1]  # dropless, overflowed: read with the need
-        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g)
+        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g, formats)
     else:
-        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, g)
+        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, g, formats)
         extra.update(_keep=keep, _free=free)
     source, counts, offsets, ends, back_index = layout
     handle = MoEHandle(
@@ -438,7 +456,7 @@ def _same_capacity(opname: str, rows: list[list[int]]) -> None:
         args=(Arg("num_experts"), Arg("mode", named(MODES))),
         reads=NDIM_ONLY,
         varying_dim="the token count `x`.shape[0]",
-        checks=(_same_capacity,),
+        checks=(_same_capacity, same_wire),
         check_only=True,
     ),
     tensors=("x", "topk_idx"),
@@ -457,6 +475,8 @@ def dispatch(
     align: int = 1,
     counts: Tensor | None = None,
     topk_weights: Tensor | None = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> tuple[Tensor, MoEHandle]:
     """Send each token's k routed copies to the ranks of their experts, grouped by local expert.
 
@@ -487,6 +507,12 @@ def dispatch(
             ``funcoll.set_checks(True)`` dispatch checks that they are.
         topk_weights: ``(T, k)`` the router's weights, if the caller has them at
             dispatch: kept in the handle for :func:`combine`, which then needs none.
+        wire: the format the token rows travel in (docs/wire.md), each row encoded
+            on its own with block scales along H: ``funcoll.Wire(torch.float8_e4m3fn,
+            block=128)`` is DeepEP's FP8 dispatch. None (default): exact. The
+            counts always travel exactly.
+        grad_wire: the format of the backward's rows, the gradient going back to
+            the tokens (None: exact; DeepEP's is ``Wire(torch.bfloat16)``).
 
     Returns:
         ``(recv, handle)``. ``recv`` is ``(R, H)``: local expert 0's rows, then
@@ -536,13 +562,16 @@ def dispatch(
     x, topk_idx = _check_dispatch_args(
         x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
     )
+    check_wire(opname, x, wire, grad_wire)
     # Sampled by default (funcoll.set_checks): ranks whose calls disagree raise, not abort.
     static = (x.shape[0] * topk_idx.shape[1] if capacity is None else capacity) if mode == "static" else 0
-    x = check_agreement("moe.dispatch", x, g, 0, (num_experts, MODES.index(mode)), [static])
+    tail = wire_tail(g.size, [static] + [0] * (g.size - 1), wire, grad_wire)
+    x = check_agreement("moe.dispatch", x, g, 0, (num_experts, MODES.index(mode)), tail)
     expert, given = _expert_ids(topk_idx, counts, num_experts, x.device)
     out, handle = _route(
-        x, expert, given, topk_idx.shape[1], num_experts, mode, capacity, align, g, group, topk_weights
-    )
+        x, expert, given, topk_idx.shape[1], num_experts, mode, capacity, align, g, group, topk_weights,
+        (wire, grad_wire),
+    )  # fmt: skip
     if policy is not None and mode == "static":
         policy._record(handle.needed)
     return out, handle
@@ -555,7 +584,14 @@ def dispatch(
     refuse=Refusal("its rows are in the layout of dispatch's plain `recv`"),
     resolve=False,  # the group is the handle's
 )
-def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) -> Tensor:
+def combine(
+    y: Tensor,
+    handle: MoEHandle,
+    topk_weights: Tensor | None = None,
+    *,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
+) -> Tensor:
     """Bring the experts' outputs back to their tokens and sum each token's k of them, weighted.
 
     Args:
@@ -564,6 +600,11 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         handle: what dispatch returned with ``recv``.
         topk_weights: ``(T, k)`` the router's weights, on ``y``'s device; None:
             those given to dispatch (``handle.topk_weights``).
+        wire: the format the expert outputs travel back in (docs/wire.md), each row
+            on its own; DeepEP combines in ``funcoll.Wire(torch.bfloat16)``. The
+            weighted sum runs after decoding, in ``y``'s dtype. None (default): exact.
+        grad_wire: the format of the backward's rows, the output's gradient going to
+            the experts (None: exact).
 
     Returns:
         ``(T, H')``: ``out[t] = sum_j topk_weights[t, j] * y_row(t, j)``, where
@@ -588,6 +629,7 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
         raise TypeError(
             f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
         )
+    check_wire(opname, y, wire, grad_wire)
     if topk_weights is None:
         if handle.topk_weights is None:
             raise TypeError(
@@ -630,9 +672,9 @@ def combine(y: Tensor, handle: MoEHandle, topk_weights: Tensor | None = None) ->
     g = resolve_group(opname, handle.group)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
-        returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g)
+        returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g, (wire, grad_wire))
     else:  # the blocks go back to their senders as they came, one even all_to_all
-        returned = _exchange_blocks(back, g)
+        returned = _exchange_blocks(back, g, (wire, grad_wire))
     row_of = handle.row_of.view(handle.tokens, handle.topk)
     n_pairs = handle.tokens * handle.topk
     skip: int | None = None
