@@ -701,6 +701,13 @@ CASES: list[OpCase] = [
         exchanges_sizes=True,
         at_scale=True,
     ),
+    _case(  # quantized rows: each row's int8 codes and scale, by the "auto" strategy
+        "gather-auto-ragged-wire-int8-x_nx5-dim0",
+        _exact_in("int8", "gather-auto-ragged-wire-int8-x_nx5-dim0", _ragged, 5),
+        call=lambda x, group=None: funcoll.gather(x, group=group, wire=funcoll.Wire(torch.int8)),
+        reference=_ref_cat(0),
+        exchanges_sizes=True,
+    ),
     _case(
         "gather-given-ragged-x_nx5-dim0",
         _shaped("gather-given-ragged-x_nx5-dim0", _ragged, 5),

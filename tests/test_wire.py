@@ -178,6 +178,32 @@ def _rows_cases(rank: int, world: int) -> dict[str, Tensor]:
     return out
 
 
+GATHER_WIRE, GATHER_GRAD = Wire(I8, block=32), Wire(E5, block=32)
+STRATEGIES = ("a2a", "pad", "shift")
+
+
+def _ragged_x(rank: int, world: int) -> Tensor:
+    """Rank r holds (r * 2) % 5 rows of (3, 70): rank 0 none; rows along dim 1."""
+    g = torch.Generator().manual_seed(700 + rank)
+    return torch.randn(3, (rank * 2) % 5, 70, generator=g)
+
+
+def _gathers(rank: int, world: int) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for strategy in STRATEGIES:
+        x = _ragged_x(rank, world).requires_grad_()
+        y = funcoll.gather(x, 1, strategy=strategy, wire=GATHER_WIRE, grad_wire=GATHER_GRAD)
+        assert y is not None
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(60 + rank))).sum().backward()
+        assert x.grad is not None
+        out[f"gather-{strategy}"], out[f"gather-{strategy}-dx"] = y.detach(), x.grad
+    y, sizes = funcoll.all_gather_ragged(_ragged_x(rank, world), 1, wire=GATHER_WIRE)
+    out["ragged"], out["ragged_sizes"] = y, sizes
+    to_last = funcoll.gather(_ragged_x(rank, world), 1, world - 1, wire=GATHER_WIRE)
+    out["dst"] = torch.zeros(0) if to_last is None else to_last
+    return out
+
+
 def _row_weights(rank: int, rows: int, width: int) -> Tensor:
     return torch.randn(rows, width, generator=torch.Generator().manual_seed(40 + rank))
 
@@ -236,6 +262,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
         "compiled": _compiled(rank, world),
         "errors": _errors(rank, world),
         "rows": _rows_cases(rank, world),
+        "gathers": _gathers(rank, world),
         "code": _generated_code(rank, world) if world == 2 else [],
         "in_flight": funcoll.testing.in_flight(),
     }
@@ -396,7 +423,7 @@ def test_bad_formats_raise_before_communicating(world: int) -> None:
         ),
         "bad-dtype": ("ValueError", "funcoll.Wire: `dtype`=torch.int32 is not a wire format"),
         "block-on-cast": ("ValueError", "funcoll.Wire: `block`=4 is for the 8-bit formats"),
-        "block-zero": ("ValueError", "funcoll.Wire: `block`=0 must be a positive int or None"),
+        "block-zero": ("ValueError", "funcoll.Wire: `block`=0 must be an int in [1, 2**26] or None"),
         "dtensor-gather": (
             "ValueError",
             "funcoll.all_gather: `wire`=Wire(torch.int8), `grad_wire`=None: a DTensor",
@@ -548,3 +575,36 @@ def test_moe_dispatch_in_fp8_and_combine_in_bf16_within_the_bound(world: int) ->
         combined = (w.double().sum(1, keepdim=True)) * rows
         c_err = w.double().sum(1, keepdim=True) * bound(rows, COMBINE_WIRE) * quantized
         _within(got[i]["combined"], combined, c_err, f"combine w{world} rank {i}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ragged_gathers_within_the_bound(world: int) -> None:
+    """gather (each strategy, and to a dst) and all_gather_ragged: rows of (3, n_r, 70) along dim 1, rank 0 empty."""
+    xs = [_ragged_x(r, world).double() for r in range(world)]
+    want = torch.cat(xs, 1)
+    # each row is a slice along dim 1: its blocks run along the last dim (70, blocks of 32)
+    err = torch.cat([bound(x, GATHER_WIRE) for x in xs], 1) * (world > 1)
+    lengths = [x.shape[1] for x in xs]
+    ws = [
+        torch.randn(want.shape, generator=torch.Generator().manual_seed(60 + r)).double()
+        for r in range(world)
+    ]
+    for r in range(world):
+        got = batch(world)[r]["gathers"]
+        for strategy in STRATEGIES:
+            _within(got[f"gather-{strategy}"], want, err, f"gather {strategy} w{world} rank {r}")
+            start = sum(lengths[:r])
+            parts = [w[:, start : start + lengths[r]] for w in ws]
+            dx_err = sum(bound(p, GATHER_GRAD) for p in parts) * (world > 1)
+            _within(
+                got[f"gather-{strategy}-dx"],
+                sum(parts),
+                dx_err,
+                f"gather {strategy} w{world} rank {r} x.grad",
+            )
+        _within(got["ragged"], want, err, f"all_gather_ragged w{world} rank {r}")
+        assert got["ragged_sizes"].tolist() == lengths
+        if r == world - 1:
+            _within(got["dst"], want, err, f"gather dst w{world} rank {r}")
+        else:
+            assert got["dst"].numel() == 0

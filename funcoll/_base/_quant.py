@@ -45,6 +45,7 @@ ROUNDING: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2.0**-11, 2.0**-25),
 }
 SCALE_BYTES = 4  # each block's scale travels as float32
+MAX_BLOCK = 1 << 26  # a block's size fits its header code (wire_code) in 31 bits
 
 
 @dataclass(frozen=True, repr=False)
@@ -72,8 +73,12 @@ class Wire:
                 f"funcoll.Wire: `dtype`={self.dtype} is not a wire format; use one of {[*_SCALED, *_CASTS]}"
             )
         if self.block is not None:
-            if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-                raise ValueError(f"funcoll.Wire: `block`={self.block!r} must be a positive int or None")
+            if (
+                isinstance(self.block, bool)
+                or not isinstance(self.block, int)
+                or not 0 < self.block <= MAX_BLOCK
+            ):
+                raise ValueError(f"funcoll.Wire: `block`={self.block!r} must be an int in [1, 2**26] or None")
             if self.dtype in _CASTS:
                 raise ValueError(
                     f"funcoll.Wire: `block`={self.block} is for the 8-bit formats; {self.dtype} is a cast with no scale"
@@ -202,6 +207,16 @@ def wire_code(wire: Wire | None) -> int:
     return 1 + _DTYPES.index(wire.dtype) + 8 * (wire.block or 0)
 
 
+def pair_code(wire: Wire | None, grad_wire: Wire | None) -> int:
+    """Both formats of a call as one int64, for the cross-rank check's header."""
+    return (wire_code(wire) << 31) | wire_code(grad_wire)
+
+
+def show_pair(code: int) -> str:
+    """A :func:`pair_code` as ``wire, grad_wire``."""
+    return f"{show_code(code >> 31)}, {show_code(code & ((1 << 31) - 1))}"
+
+
 def show_code(code: int) -> str:
     """A :func:`wire_code` as the Wire it stands for, for an error message."""
     if code == 0:
@@ -221,3 +236,12 @@ def check_wire(opname: str, x: Tensor, wire: object, grad_wire: object) -> None:
             raise TypeError(
                 f"{opname}: `{arg}`={value} quantizes floating data; `x` has dtype {x.dtype} (pass {arg}=None)"
             )
+
+
+def exact_for_dtensor(opname: str, wire: Wire | None, grad_wire: Wire | None) -> None:
+    """A DTensor `x` travels exactly: its rules move the shards as they are."""
+    if wire is not None or grad_wire is not None:
+        raise ValueError(
+            f"{opname}: `wire`={wire!r}, `grad_wire`={grad_wire!r}: a DTensor `x` travels exactly; "
+            f"pass x.to_local() for a quantized collective of the local shards"
+        )

@@ -35,7 +35,7 @@ from torch import Tensor
 from .._base._checks import REDUCE_OPS, IntLike, check_equal, check_sizes
 from .._base._config import check_due, checks_enabled
 from .._base._group import Group, group_of, rank_of, size_of
-from .._base._quant import Wire, show_code, wire_code
+from .._base._quant import Wire, pair_code, show_pair
 from .._base._strategy import STRATEGIES
 from .._base._sym import Stats, max_of, min_of
 from . import _issue
@@ -591,39 +591,43 @@ def row_sizes(
     args: tuple[int, int],
     ndim: int | None = None,
     sizes: list[IntLike] | None = None,
+    formats: tuple[Wire | None, Wire | None] = (None, None),
 ) -> tuple[list[IntLike], Stats, Tensor | None]:
     """Every rank's length along `dim`, their (min, max, sum), and the exchanged header table.
 
     The lengths are exchanged, or `sizes` (from :func:`given_sizes`), which replace
     the header exchange: one collective fewer, and no table (None). With
     ``funcoll.set_checks(True)`` the header still travels and carries the given
-    list, so that ranks whose lists or lengths disagree all raise.
+    list, so that ranks whose lists or lengths disagree all raise. `formats`: the
+    wire formats the rows travel in, whose code the header carries (:func:`wire_tail`).
     """
     if sizes is None:
-        table, ints = exchange(key, x, dim, g, args=args, ndim=ndim)
+        tail = wire_tail(g.size, [], *formats)
+        codes = None if tail is None else torch.tensor(tail, dtype=torch.int64)
+        table, ints = exchange(key, x, dim, g, args=args, sizes=codes, ndim=ndim)
         return (*split_stats(ints, g.size), table)
     if checks_enabled():
-        flagged = torch.tensor([*(int(n) for n in sizes), 1], dtype=torch.int64)  # the list, then "given"
-        exchange(key, x, dim, g, args=args, sizes=flagged, ndim=ndim)
+        flagged = [*(int(n) for n in sizes), 1]  # the list, then "given"
+        tail = wire_tail(g.size, flagged, *formats) or flagged
+        exchange(key, x, dim, g, args=args, sizes=torch.tensor(tail, dtype=torch.int64), ndim=ndim)
     stats = (min_of(*sizes), max_of(*sizes), sum(sizes))
     return sizes, stats, None
 
 
 # ------------------------------------------------------ the wire formats' agreement
 def same_wire(opname: str, rows: list[list[int]]) -> None:
-    """A quantizing op's formats (tail columns world and world + 1, :func:`wire_tail`): the same on every rank."""
-    at = WIDTH + len(rows)
-    for col, arg in ((at, "`wire`"), (at + 1, "`grad_wire`")):
-        disagree(opname, rows, arg, lambda r, c=col: r[c], lambda r, c=col: show_code(r[c]))
+    """A quantizing op's formats (the last tail column, :func:`wire_tail`): the same on every rank."""
+    disagree(opname, rows, "`wire`, `grad_wire`", lambda r: r[-1], lambda r: show_pair(r[-1]))
 
 
 def wire_tail(
     world: int, sizes: Sequence[IntLike], wire: Wire | None, grad_wire: Wire | None
 ) -> list[IntLike] | None:
-    """A checked call's header tail: the op's `sizes` (world of them, or zeros), then both formats' codes.
+    """A checked call's header tail: the op's `sizes` and zeros, then both formats' code in the last column.
 
+    No op's own tail reaches the last column but all_to_all's, which takes no format.
     None when both formats are exact and the op has no sizes: the tail then stays zeros.
     """
     if wire is None and grad_wire is None:
         return list(sizes) or None
-    return [*(list(sizes) or [0] * world), wire_code(wire), wire_code(grad_wire)]
+    return [*sizes, *[0] * (TAIL * world - 1 - len(sizes)), pair_code(wire, grad_wire)]

@@ -21,8 +21,17 @@ from torch import Tensor
 
 from .._base._checks import IntLike
 from .._base._quant import Wire, decode, encode
+from .._base._sym import Stats
 from . import _faults
-from ._prims import all_gather_impl, all_to_all_impl, ctx_ints, reduce_scatter_impl, scale_for_op
+from ._prims import (
+    all_gather_impl,
+    all_to_all_impl,
+    ctx_ints,
+    gather_rows,
+    reduce_scatter_impl,
+    reduce_scatter_v_p,
+    scale_for_op,
+)
 
 # How the pieces a rank receives are reduced once decoded; avg is sum / world.
 _REDUCE = {
@@ -160,3 +169,96 @@ def all_to_all_rows_wire_p(
     splits swapped, in `grad_wire`.
     """
     return _AllToAllRows.apply(x, wire, grad_wire, list(recv), list(send), group_name)
+
+
+class _GatherRows(torch.autograd.Function):
+    """The ragged all-gather of rows (a strategy of funcoll.gather) in `wire`; its adjoint in `grad_wire`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        wire: Wire | None,
+        grad_wire: Wire | None,
+        sizes: list[IntLike],
+        strategy: str,
+        group_name: str,
+        world: int,
+        rank: int,
+        stats: Stats | None,
+    ) -> Tensor:
+        _faults.remember(ctx)
+        ctx.grad_wire, ctx.group_name, ctx.world, ctx.rank = grad_wire, group_name, world, rank
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
+        if wire is None:  # exact rows (only the gradient is quantized)
+            return _own(gather_rows(x, sizes, strategy, group_name, world, rank, stats))
+        got = gather_rows(encode(x, wire, lead=1), sizes, strategy, group_name, world, rank, stats)
+        return _own(decode(got, wire, x.shape[1:], x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = scatter_rows_wire_p(
+            grad, ctx.sizes, ctx.group_name, ctx.world, ctx.rank, ctx.stats, ctx.grad_wire
+        )
+        return g, *[None] * 8
+
+
+class _ScatterRows(torch.autograd.Function):
+    """The ragged reduce-scatter (sum) of rows in `wire`: one all_to_all of the encoded rows, summed decoded."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        wire: Wire,
+        sizes: list[IntLike],
+        group_name: str,
+        world: int,
+        rank: int,
+        stats: Stats | None,
+    ) -> Tensor:
+        _faults.remember(ctx)
+        ctx.group_name, ctx.world, ctx.rank = group_name, world, rank
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
+        mine = sizes[rank]
+        got = all_to_all_impl(encode(x, wire, lead=1), [mine] * world, list(sizes), group_name)
+        return decode(got, wire, x.shape[1:], x.dtype).unflatten(0, (world, mine)).sum(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = gather_rows(grad, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, ctx.stats)
+        return g, *[None] * 6
+
+
+def gather_rows_wire_p(
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    strategy: str,
+    group_name: str,
+    world: int,
+    rank: int,
+    stats: Stats | None,
+    wire: Wire | None,
+    grad_wire: Wire | None,
+) -> Tensor:
+    """Ragged all-gather of dim 0, each row in `wire` (its bytes travel by the strategy's collectives; None: exact).
+
+    ``(sizes[rank], *R) -> (sum(sizes), *R)``; the backward is the ragged
+    reduce-scatter of the gradient's rows, in `grad_wire` (None: exact).
+    """
+    return _GatherRows.apply(x, wire, grad_wire, list(sizes), strategy, group_name, world, rank, stats)
+
+
+def scatter_rows_wire_p(
+    x: Tensor,
+    sizes: Sequence[IntLike],
+    group_name: str,
+    world: int,
+    rank: int,
+    stats: Stats | None,
+    wire: Wire | None,
+) -> Tensor:
+    """Ragged reduce-scatter (sum) of dim 0, ``(sum(sizes), *R) -> (sizes[rank], *R)``, in `wire` (None: exact)."""
+    if wire is None:
+        return reduce_scatter_v_p(x, sizes, "sum", group_name, world, rank, stats)
+    return _ScatterRows.apply(x, wire, list(sizes), group_name, world, rank, stats)

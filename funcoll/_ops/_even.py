@@ -24,7 +24,7 @@ from .._base._checks import (
 )
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire, check_wire
+from .._base._quant import Wire, check_wire, exact_for_dtensor
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
@@ -80,17 +80,8 @@ def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
 
 def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool, **formats: Wire | None) -> Tensor:
     """``Shard(dim) -> Replicate()`` (``tiled=False`` is refused before this)."""
-    _exact_for_dtensor(ax.opname, **formats)
+    exact_for_dtensor(ax.opname, **formats)
     return gather_shards(ax, ax.dim(dim))
-
-
-def _exact_for_dtensor(opname: str, wire: Wire | None, grad_wire: Wire | None) -> None:
-    """A DTensor `x` travels exactly: its rules move the shards as they are."""
-    if wire is not None or grad_wire is not None:
-        raise ValueError(
-            f"{opname}: `wire`={wire!r}, `grad_wire`={grad_wire!r}: a DTensor `x` travels exactly; "
-            f"pass x.to_local() for a quantized collective of the local shards"
-        )
 
 
 _STACKS = "its result stacks the ranks' tensors along a new dim", "funcoll.all_gather(x, dim)"
@@ -234,7 +225,7 @@ def _reduce_scatter_dtensor(
 ) -> Tensor:
     """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout (`formats`: `wire` and `grad_wire`, None)."""
     opname = ax.opname
-    _exact_for_dtensor(opname, **formats)
+    exact_for_dtensor(opname, **formats)
     d = ax.dim(dim)
     reduce_op = check_reduce_op(opname, op, ax.x)
     if sizes is not None or not tiled:

@@ -29,7 +29,7 @@ from .._base._checks import (
 from .._base._config import checks_enabled
 from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire, check_wire
+from .._base._quant import Wire, check_wire, exact_for_dtensor
 from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
 from .._base._wire import unwire, wire_op
@@ -57,7 +57,7 @@ from .._collective._header import (
     tails,
     wire_tail,
 )
-from .._collective._quantized import all_to_all_rows_wire_p
+from .._collective._quantized import all_to_all_rows_wire_p, gather_rows_wire_p
 from .._collective._rows import from_rows, ints_on, to_rows
 from ._entry import Refusal, entry
 from ._region import gather_shards
@@ -95,18 +95,32 @@ def ragged_all_gather(
     strategy: str = "auto",
     ndim: int | None = None,
     sizes: list[IntLike] | None = None,
+    formats: tuple[Wire | None, Wire | None] = (None, None),
 ) -> tuple[Tensor, Tensor | None]:
-    """The sizes (exchanged, or given by :func:`given_sizes`), then the gather: (result, header table or None)."""
-    sz, stats, table = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes)
-    y = _prims.gather_rows(to_rows(x, dim), sz, strategy, g.name, g.size, g.rank, stats)
+    """The sizes (exchanged, or given by :func:`given_sizes`), then the gather: (result, header table or None).
+
+    `formats`: the rows' wire formats, (this way, the gradient's).
+    """
+    sz, stats, table = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes, formats)
+    xm = to_rows(x, dim)
+    if formats == (None, None):
+        y = _prims.gather_rows(xm, sz, strategy, g.name, g.size, g.rank, stats)
+    else:
+        y = gather_rows_wire_p(xm, sz, strategy, g.name, g.size, g.rank, stats, *formats)
     return from_rows(y, x.dtype, dim), table
 
 
 def _gather_dtensor(
-    ax: MeshAxis, dim: int, dst: int | None, strategy: str, sizes: Sequence[int] | Tensor | None
+    ax: MeshAxis,
+    dim: int,
+    dst: int | None,
+    strategy: str,
+    sizes: Sequence[int] | Tensor | None,
+    **formats: Wire | None,
 ) -> Tensor:
     """``Shard(dim) -> Replicate()``, the lengths known from the global shape (`sizes` is not read);
-    a `dst` is refused before this."""
+    a `dst` is refused before this; `formats` (`wire`, `grad_wire`) must be None."""
+    exact_for_dtensor(ax.opname, **formats)
     _check_strategy(ax.opname, strategy)
     return gather_shards(ax, ax.dim(dim), strategy)
 
@@ -128,13 +142,13 @@ def _ragged_gather_plan(world: int, variant: str) -> Plan:
 
 
 # A ragged gather's header: every rank's length along `dim` (then their min, max and sum).
-_GATHER_HEADER = Header(args=(None, STRATEGY), checks=(check_given_lengths,))
+_GATHER_HEADER = Header(args=(None, STRATEGY), checks=(check_given_lengths, same_wire))
 
 
 @entry(
     "gather",
     RAGGED,
-    header=Header(args=(DST, STRATEGY), checks=(check_given_lengths,)),
+    header=Header(args=(DST, STRATEGY), checks=(check_given_lengths, same_wire)),
     collectives=_ragged_gather_plan,
     placements=("Shard(dim), dst=None", "Replicate()"),
     dtensor=_gather_dtensor,
@@ -148,6 +162,8 @@ def gather(
     group: GroupLike = None,
     strategy: str = "auto",
     sizes: Sequence[int] | Tensor | None = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> Tensor | None:
     """Concatenate every rank's `x` along `dim`, where each rank may hold a different length.
 
@@ -184,6 +200,11 @@ def gather(
             is exchanged, so the call is one collective fewer (a tensor's values are
             read on the host: a device-to-host sync for a GPU tensor). None: funcoll
             exchanges them.
+        wire: the format the rows travel in (docs/wire.md), each row (a slice along
+            `dim`) encoded on its own with block scales along its last dim, by the
+            strategy's collectives (with a `dst`, by its all_to_all). None
+            (default): exact. A floating `x` only.
+        grad_wire: the format of the backward's ragged reduce-scatter (None: exact).
 
     Returns:
         ``x.shape`` with ``shape[dim] = sum(sizes)``, ranks in order (a new tensor),
@@ -209,6 +230,7 @@ def gather(
     """
     opname, g = "funcoll.gather", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
+    check_wire(opname, x, wire, grad_wire)
     strat = _check_strategy(opname, strategy)
     if dst is not None:
         check_rank(opname, "dst", dst, g.size)
@@ -220,8 +242,8 @@ def gather(
             raise _grad_to_dst(opname, dst)
         return fresh(x)
     if dst is None:
-        return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes)[0]
-    sz, _, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes)
+        return ragged_all_gather("gather", x, d, g, strategy, ndim, sizes, (wire, grad_wire))[0]
+    sz, _, _ = row_sizes("gather", x, d, g, (dst, strat), ndim, sizes, (wire, grad_wire))
     if grad_to_dst:
         raise _grad_to_dst(opname, dst)
     xm = to_rows(x, d)
@@ -229,7 +251,10 @@ def gather(
     torch._check(xm.shape[0] == n)
     send = [n if j == dst else 0 for j in range(g.size)]
     recv = list(sz) if g.rank == dst else [0] * g.size
-    got = _prims.all_to_all_p(xm, recv, send, g.name)
+    if wire is None:
+        got = _prims.all_to_all_p(xm, recv, send, g.name)
+    else:  # no gradient flows with a dst: the refusal above
+        got = all_to_all_rows_wire_p(xm, recv, send, g.name, wire, None)
     if g.rank != dst:
         return None
     return from_rows(got, x.dtype, d)
@@ -395,9 +420,10 @@ def all_gather_list(
 
 
 def _all_gather_ragged_dtensor(
-    ax: MeshAxis, dim: int, strategy: str, sizes: Sequence[int] | Tensor | None
+    ax: MeshAxis, dim: int, strategy: str, sizes: Sequence[int] | Tensor | None, **formats: Wire | None
 ) -> tuple[Tensor, Tensor]:
-    """``Shard(dim) -> Replicate()``, and the shards' lengths (`sizes` is not read)."""
+    """``Shard(dim) -> Replicate()``, and the shards' lengths (`sizes` is not read; `formats` None)."""
+    exact_for_dtensor(ax.opname, **formats)
     _check_strategy(ax.opname, strategy)
     d = ax.dim(dim)
     y = gather_shards(ax, d, strategy)
@@ -419,6 +445,8 @@ def all_gather_ragged(
     group: GroupLike = None,
     strategy: str = "auto",
     sizes: Sequence[int] | Tensor | None = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather every rank's `x` (ragged along `dim`) and the per-rank sizes.
 
@@ -429,6 +457,7 @@ def all_gather_ragged(
         strategy: how the rows travel, as in :func:`gather`.
         sizes: every rank's length along `dim`, when the caller knows them: nothing
             is exchanged (as in :func:`gather`), and they are returned.
+        wire, grad_wire: the rows' wire formats, as in :func:`gather` (docs/wire.md).
 
     Returns:
         ``(y, sizes)``: `y` is the concatenation along `dim` in rank order, `sizes` an
@@ -448,11 +477,12 @@ def all_gather_ragged(
     """
     opname, g = "funcoll.all_gather_ragged", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
+    check_wire(opname, x, wire, grad_wire)
     _check_strategy(opname, strategy)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
         return fresh(x), ints_on(x.device, [x.shape[d]])
-    y, table = ragged_all_gather("all_gather_ragged", x, d, g, strategy, ndim, given)
+    y, table = ragged_all_gather("all_gather_ragged", x, d, g, strategy, ndim, given, (wire, grad_wire))
     if table is not None:
         return y, table[:, SIZE].clone()
     as_given = sizes if isinstance(sizes, Tensor) else torch.tensor(given, dtype=torch.int64)
@@ -571,7 +601,7 @@ def all_to_all_v(
         if g.is_single:
             _check_total(opname, "send_sizes", host_sizes(opname, "send_sizes", send_t, 1), x, d)
             return fresh(x), fresh(send_t.to(device=x.device, dtype=torch.int64))
-        tail = wire_tail(g.size, [], wire, grad_wire)  # the formats' codes after the send sizes
+        tail = wire_tail(g.size, [0] * g.size, wire, grad_wire)  # the formats' code after the send sizes
         if tail is not None:
             send_t = torch.cat([send_t.to(torch.int64), send_t.new_tensor(tail[g.size :], dtype=torch.int64)])
         table, ints = exchange("all_to_all_v", x, d, g, sizes=send_t)
