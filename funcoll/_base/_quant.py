@@ -146,12 +146,9 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     whole = width > 0 and last % width == 0  # no partial block: values and scales broadcast as blocks
     v = t.float() if whole else torch.nn.functional.pad(t.float(), (0, nb * width - last))
     v = v.reshape(*t.shape[:-1], nb, width)
-    # One pass for the blocks' absolute maxima (inf and NaN propagate).
-    amax = (
-        torch.linalg.vector_norm(v, float("inf"), dim=-1, keepdim=True)
-        if width
-        else v.new_zeros(*v.shape[:-1], 1)
-    )
+    # The blocks' absolute maxima (inf and NaN propagate). Not linalg.vector_norm(inf), one
+    # pass eager: its meta refuses a tensor with no element (a rank with no rows), compiled.
+    amax = v.abs().amax(-1, keepdim=True) if width else v.new_zeros(*v.shape[:-1], 1)
     fmax = _SCALED[wire.dtype]
     # A block with an inf or a NaN: a NaN scale, so that it decodes as all NaN; an all-zero
     # block: scale 0, codes 0 (divided by 1).
