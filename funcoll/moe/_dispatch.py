@@ -448,17 +448,21 @@ def _same_capacity(opname: str, rows: list[list[int]]) -> None:
     )
 
 
+# What every rank's call must agree on (a checked call's header; `x`'s token count may differ):
+# x's dtype and hidden size, these, the static capacity and the formats; a policy's run
+# counts as its mode.
+_DISPATCH_HEADER = Header(
+    args=(Arg("num_experts"), Arg("mode", named(MODES))),
+    reads=NDIM_ONLY,
+    varying_dim="the token count `x`.shape[0]",
+    checks=(_same_capacity, same_wire),
+    check_only=True,
+)
+
+
 @entry(
     "moe.dispatch",
-    # What every rank's call must agree on (a checked call's header; `x`'s token count may differ):
-    # x's dtype and hidden size, and these; a policy's run counts as its mode.
-    header=Header(
-        args=(Arg("num_experts"), Arg("mode", named(MODES))),
-        reads=NDIM_ONLY,
-        varying_dim="the token count `x`.shape[0]",
-        checks=(_same_capacity, same_wire),
-        check_only=True,
-    ),
+    header=_DISPATCH_HEADER,
     tensors=("x", "topk_idx"),
     optional=("counts", "topk_weights"),
     refuse=Refusal("its rows go to the ranks of their experts"),
