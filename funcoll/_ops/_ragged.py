@@ -457,7 +457,8 @@ def all_gather_ragged(
         strategy: how the rows travel, as in :func:`gather`.
         sizes: every rank's length along `dim`, when the caller knows them: nothing
             is exchanged (as in :func:`gather`), and they are returned.
-        wire, grad_wire: the rows' wire formats, as in :func:`gather` (docs/wire.md).
+        wire: the format the rows travel in, as in :func:`gather` (docs/wire.md).
+        grad_wire: the format of the backward's ragged reduce-scatter (None: exact).
 
     Returns:
         ``(y, sizes)``: `y` is the concatenation along `dim` in rank order, `sizes` an
