@@ -114,7 +114,8 @@ def test_the_reading_finds_the_known_imports() -> None:
     assert "funcoll._collective._issue" in graph["funcoll._collective._header"]
     assert "funcoll._collective._header" in graph["funcoll._collective._prims"]
     assert "check_collective" in graph["funcoll._collective._prims"]["funcoll._collective._header"]
-    assert "funcoll._ops._even" in graph["funcoll.moe._dispatch"]
+    assert "funcoll._collective._prims" in graph["funcoll.moe._dispatch"]
+    assert "funcoll._ops._even" in graph["funcoll.moe._dropless"]
 
 
 # The calls of the entry's steps allowed outside funcoll/_ops/_entry.py, each with why: the

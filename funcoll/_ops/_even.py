@@ -148,7 +148,7 @@ def all_gather(
         # rank 0: x = tensor(0.5)     rank 1: x = tensor(1.5)
         all_gather(x)                 # both: [0.5, 1.5]
         # rank 0: x = [[1., 2.]]      rank 1: x = [[3., 4.]]
-        all_gather(x, wire=Wire(torch.int8))  # both: [[1., 2.], [3., 4.]] to 1 part in 254 of each row's max
+        all_gather(x, wire=Wire(torch.bfloat16))  # both: [[1., 2.], [3., 4.]]
     """
     return _all_gather("funcoll.all_gather", x, dim, cast(Group, group), tiled, wire, grad_wire)
 
@@ -335,7 +335,8 @@ def reduce_scatter(
         # rank 0: x = [1, 2, 3, 4]    rank 1: x = [10, 20, 30, 40]
         reduce_scatter(x)             # rank 0: [11, 22]      rank 1: [33, 44]
         reduce_scatter(x, sizes=[3, 1])  # rank 0: [11, 22, 33]  rank 1: [44]
-        reduce_scatter(x, wire=Wire(torch.int8))  # within int8's rounding of [11, 22] / [33, 44]
+        # rank 0: x = [1., 2., 3., 4.]    rank 1: x = [10., 20., 30., 40.]
+        reduce_scatter(x, wire=Wire(torch.bfloat16))  # rank 0: [11., 22.]   rank 1: [33., 44.]
     """
     opname, g = "funcoll.reduce_scatter", cast(Group, group)
     d = check_dim(opname, x, dim)
