@@ -94,9 +94,7 @@ class Wire:
 
     def nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         """The bytes :func:`encode` makes of a tensor of `shape`."""
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = prod(shape)
         if not self.scaled:
             return numel * torch.empty((), dtype=self.dtype).element_size()
         return _round4(_blocks(shape, self.block) * SCALE_BYTES + numel)
@@ -111,9 +109,7 @@ def _blocks(shape: torch.Size | tuple[int, ...], block: int | None) -> int:
     """How many scales a tensor of `shape` has: blocks along its last dim, the last one partial."""
     if len(shape) == 0:
         return 1
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
+    rows = prod(shape[:-1])
     last = shape[-1]
     width = last if block is None else block
     return rows * (-(-last // width) if width else 0)
@@ -177,9 +173,7 @@ def decode(b: Tensor, wire: Wire, shape: torch.Size | tuple[int, ...], dtype: to
     last = t_shape[-1]
     width = last if wire.block is None else wire.block
     nb = -(-last // width) if width else 0
-    numel = 1
-    for s in t_shape:
-        numel *= s
+    numel = prod(t_shape)
     if numel == 0:  # no bytes: nothing to view as float32
         return b.new_zeros(*outer, *shape, dtype=dtype)
     n_scales = SCALE_BYTES * _blocks(t_shape, wire.block)
