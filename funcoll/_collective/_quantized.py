@@ -26,6 +26,7 @@ from . import _faults
 from ._prims import (
     all_gather_impl,
     all_to_all_impl,
+    all_to_all_p,
     ctx_ints,
     gather_rows,
     reduce_scatter_impl,
@@ -166,8 +167,14 @@ def all_to_all_rows_wire_p(
 
     A row's blocks run along its last dim; its scales travel with its codes, so the
     splits count rows as the exact all_to_all's do. The backward: the same with the
-    splits swapped, in `grad_wire`.
+    splits swapped, in `grad_wire`. Both None: the exact primitive. One rank (one
+    split): `x` itself, as the exact op would give it.
     """
+    if len(send) == 1:
+        return x
+    torch._check(sum(send) == x.shape[0])
+    if wire is None and grad_wire is None:
+        return all_to_all_p(x, list(recv), list(send), group_name)
     return _AllToAllRows.apply(x, wire, grad_wire, list(recv), list(send), group_name)
 
 
@@ -244,8 +251,11 @@ def gather_rows_wire_p(
     """Ragged all-gather of dim 0, each row in `wire` (its bytes travel by the strategy's collectives; None: exact).
 
     ``(sizes[rank], *R) -> (sum(sizes), *R)``; the backward is the ragged
-    reduce-scatter of the gradient's rows, in `grad_wire` (None: exact).
+    reduce-scatter of the gradient's rows, in `grad_wire` (None: exact). Both None:
+    the exact primitive.
     """
+    if wire is None and grad_wire is None:
+        return gather_rows(x, sizes, strategy, group_name, world, rank, stats)
     return _GatherRows.apply(x, wire, grad_wire, list(sizes), strategy, group_name, world, rank, stats)
 
 

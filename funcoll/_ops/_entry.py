@@ -23,7 +23,11 @@ then goes through the same steps, in this order, before the body:
    what to use) or handed to the op's placement rule (`dtensor`), which gets the
    :class:`~funcoll._base._dtensor.MeshAxis` of `x` and the op's other arguments by name,
    and returns the op's result on the mesh;
-4. `group` is resolved once (:func:`~funcoll._base._group.resolve_group`) and the body
+4. an op with `wire` and `grad_wire` parameters gets them checked
+   (:func:`~funcoll._base._quant.check_wire`: Wires or None, asked only of a floating
+   first tensor); a DTensor `x` travels exactly, so its placement rule gets neither,
+   and a format given with one is refused;
+5. `group` is resolved once (:func:`~funcoll._base._group.resolve_group`) and the body
    gets the resolved :class:`~funcoll._base._group.Group` in its place, so that what it
    calls with it resolves nothing again.
 
@@ -44,6 +48,7 @@ from typing import Any, TypeVar
 from .._base._checks import check_tensor
 from .._base._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
 from .._base._group import resolve_group
+from .._base._quant import check_wire, exact_for_dtensor
 from .._collective._faults import public_op
 from .._collective._header import Header, register_header
 from ._spec import OpSpec, Plan, register
@@ -176,6 +181,7 @@ def entry(
             if arg not in arguments.names:
                 raise TypeError(f"{opname}: the entry names `{arg}`, which is not a parameter")
         first = tensors[0] if tensors else None
+        formats = ("wire", "grad_wire") if {"wire", "grad_wire"} <= set(arguments.names) else ()
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -195,8 +201,12 @@ def entry(
                 ):
                     refuse.raise_for(opname, first, x)
                 if dtensor is not None:
+                    if formats:
+                        exact_for_dtensor(opname, *(arguments.get(args, kwargs, f) for f in formats))
                     ax: MeshAxis = dtensor_input(opname, x, arguments.get(args, kwargs, "group"))  # type: ignore[assignment]
-                    return dtensor(ax, **arguments.named(args, kwargs, (first, "group")))
+                    return dtensor(ax, **arguments.named(args, kwargs, (first, "group", *formats)))
+            if formats:
+                check_wire(opname, x, *(arguments.get(args, kwargs, f) for f in formats))
             if resolve:
                 g = resolve_group(opname, arguments.get(args, kwargs, "group"))
                 args, kwargs = arguments.replace(args, kwargs, "group", g)

@@ -24,7 +24,7 @@ from .._base._checks import (
 )
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire, check_wire, exact_for_dtensor
+from .._base._quant import Wire
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
@@ -78,9 +78,8 @@ def _merge_rank_axis(z: Tensor, dim: int) -> Tensor:
     return moved.reshape(out_shape)
 
 
-def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool, **formats: Wire | None) -> Tensor:
+def _all_gather_dtensor(ax: MeshAxis, dim: int, tiled: bool) -> Tensor:
     """``Shard(dim) -> Replicate()`` (``tiled=False`` is refused before this)."""
-    exact_for_dtensor(ax.opname, **formats)
     return gather_shards(ax, ax.dim(dim))
 
 
@@ -164,7 +163,6 @@ def _all_gather(
 ) -> Tensor:
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
-    check_wire(opname, x, wire_as, grad_wire)
     tail = wire_tail(g.size, [], wire_as, grad_wire)
     x = check_agreement(opname.removeprefix("funcoll."), x, g, args=(d, int(tiled)), sizes=tail)
     if g.is_single:
@@ -221,11 +219,9 @@ def _reduce_scatter_dtensor(
     op: str,
     tiled: bool,
     sizes: Sequence[int] | Tensor | None,
-    **formats: Wire | None,
 ) -> Tensor:
-    """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout (`formats`: `wire` and `grad_wire`, None)."""
+    """``Partial(op) -> Shard(dim)``, in DTensor's chunk layout."""
     opname = ax.opname
-    exact_for_dtensor(opname, **formats)
     d = ax.dim(dim)
     reduce_op = check_reduce_op(opname, op, ax.x)
     if sizes is not None or not tiled:
@@ -341,7 +337,6 @@ def reduce_scatter(
     opname, g = "funcoll.reduce_scatter", cast(Group, group)
     d = check_dim(opname, x, dim)
     reduce_op = check_reduce_op(opname, op, x)
-    check_wire(opname, x, wire, grad_wire)
     if sizes is not None:
         if not tiled:
             raise ValueError(f"{opname}: `sizes` is for tiled=True; got tiled=False with sizes={sizes!r}")

@@ -29,7 +29,7 @@ from .._base._checks import (
 from .._base._config import checks_enabled
 from .._base._dtensor import MeshAxis
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire, check_wire, exact_for_dtensor
+from .._base._quant import Wire
 from .._base._strategy import STRATEGIES
 from .._base._sym import max_of, min_of
 from .._base._wire import unwire, wire_op
@@ -103,10 +103,7 @@ def ragged_all_gather(
     """
     sz, stats, table = row_sizes(key, x, dim, g, (-1, STRATEGIES.index(strategy)), ndim, sizes, formats)
     xm = to_rows(x, dim)
-    if formats == (None, None):
-        y = _prims.gather_rows(xm, sz, strategy, g.name, g.size, g.rank, stats)
-    else:
-        y = gather_rows_wire_p(xm, sz, strategy, g.name, g.size, g.rank, stats, *formats)
+    y = gather_rows_wire_p(xm, sz, strategy, g.name, g.size, g.rank, stats, *formats)
     return from_rows(y, x.dtype, dim), table
 
 
@@ -116,11 +113,9 @@ def _gather_dtensor(
     dst: int | None,
     strategy: str,
     sizes: Sequence[int] | Tensor | None,
-    **formats: Wire | None,
 ) -> Tensor:
     """``Shard(dim) -> Replicate()``, the lengths known from the global shape (`sizes` is not read);
-    a `dst` is refused before this; `formats` (`wire`, `grad_wire`) must be None."""
-    exact_for_dtensor(ax.opname, **formats)
+    a `dst` is refused before this."""
     _check_strategy(ax.opname, strategy)
     return gather_shards(ax, ax.dim(dim), strategy)
 
@@ -230,7 +225,6 @@ def gather(
     """
     opname, g = "funcoll.gather", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
-    check_wire(opname, x, wire, grad_wire)
     strat = _check_strategy(opname, strategy)
     if dst is not None:
         check_rank(opname, "dst", dst, g.size)
@@ -420,10 +414,9 @@ def all_gather_list(
 
 
 def _all_gather_ragged_dtensor(
-    ax: MeshAxis, dim: int, strategy: str, sizes: Sequence[int] | Tensor | None, **formats: Wire | None
+    ax: MeshAxis, dim: int, strategy: str, sizes: Sequence[int] | Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """``Shard(dim) -> Replicate()``, and the shards' lengths (`sizes` is not read; `formats` None)."""
-    exact_for_dtensor(ax.opname, **formats)
+    """``Shard(dim) -> Replicate()``, and the shards' lengths (`sizes` is not read)."""
     _check_strategy(ax.opname, strategy)
     d = ax.dim(dim)
     y = gather_shards(ax, d, strategy)
@@ -478,7 +471,6 @@ def all_gather_ragged(
     """
     opname, g = "funcoll.all_gather_ragged", cast(Group, group)
     x, d, ndim = as_rows(opname, x, dim)
-    check_wire(opname, x, wire, grad_wire)
     _check_strategy(opname, strategy)
     given = given_sizes(opname, x, d, sizes, g)
     if g.is_single:
@@ -590,7 +582,6 @@ def all_to_all_v(
     """
     opname, g = "funcoll.all_to_all_v", cast(Group, group)
     d = check_dim(opname, x, dim)
-    check_wire(opname, x, wire, grad_wire)
     xm = to_rows(x, d)
     if recv_sizes is None:
         if isinstance(send_sizes, Tensor):
@@ -623,8 +614,6 @@ def all_to_all_v(
                 raise ValueError(f"{opname}: on one rank `recv_sizes`={recv} must equal `send_sizes`={send}")
             return fresh(x), recv_t
     torch._check(sum(send) == xm.shape[0])
-    if wire is None and grad_wire is None:
-        return from_rows(_prims.all_to_all_p(xm, recv, send, g.name), x.dtype, d), recv_t
     return from_rows(all_to_all_rows_wire_p(xm, recv, send, g.name, wire, grad_wire), x.dtype, d), recv_t
 
 

@@ -8,7 +8,7 @@ from torch import Tensor
 from .._base._checks import IntLike
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike, resolve_group
-from .._base._quant import Wire, check_wire
+from .._base._quant import Wire
 from .._collective import _prims
 from .._collective._async import wait
 from .._collective._header import (
@@ -127,41 +127,6 @@ def _check_dispatch_args(
 
 # The rows' formats on the wire, (this direction's, the gradient's): `wire` and `grad_wire`.
 Formats = tuple[Wire | None, Wire | None]
-EXACT: Formats = (None, None)
-
-
-def _exchange_rows(
-    rows: Tensor, recv: list[IntLike], send: list[IntLike], g: Group, formats: Formats = EXACT
-) -> Tensor:
-    """Send ``send[j]`` of `rows` to rank j, receive ``recv[i]`` from rank i: all_to_all_v's move.
-
-    The sizes are host ints already, so this is ``all_to_all_v(rows, send, recv)``'s
-    primitive (its backward: the same with the sizes swapped) without the
-    ``recv_sizes`` tensor that op also returns: on CUDA, building that tensor from
-    host ints is a blocking host-to-device copy, which combine must not pay.
-    `formats`: each row encoded on its own (docs/wire.md), this way and the gradient's.
-    """
-    if g.is_single:
-        return rows
-    torch._check(sum(send) == rows.shape[0])
-    if formats == EXACT:
-        return _prims.all_to_all_p(rows, recv, send, g.name)
-    return all_to_all_rows_wire_p(rows, recv, send, g.name, *formats)
-
-
-def _exchange_blocks(t: Tensor, g: Group, formats: Formats = EXACT) -> Tensor:
-    """Block j of `t`'s rows to rank j, block i from rank i: the even all_to_all of dim 0.
-
-    The primitive, not the public op: dispatch and combine pass only their own
-    intermediates, whose shapes agree on every rank by construction, so nothing is
-    checked again, and one rank returns `t` itself, not a copy.
-    """
-    if g.is_single:
-        return t
-    block = [t.shape[0] // g.size] * g.size  # static mode's rows are world equal blocks
-    if formats == EXACT:
-        return _prims.all_to_all_p(t, block, block, g.name)
-    return all_to_all_rows_wire_p(t, block, block, g.name, *formats)
 
 
 Layout = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # source, counts, offsets, ends, back_index
@@ -275,20 +240,13 @@ def _static_send(
     return send_rows, row_of, send_index, pair_of_slot, free
 
 
-def _exact_receive(
-    send_rows: Tensor,
-    recv_counts: Tensor,
-    per_dest: Tensor,
-    ints: list[IntLike] | None,
-    align: int,
-    g: Group,
-    formats: Formats,
-) -> tuple[Tensor, Layout, dict[str, object]]:
-    """Exact mode's uneven all-to-all and the received rows laid out by expert: (out, layout, handle extras).
+def _exact_sizes(
+    recv_counts: Tensor, per_dest: Tensor, ints: list[IntLike] | None, align: int, world: int
+) -> tuple[list[IntLike], list[IntLike], IntLike]:
+    """Exact mode's host ints: (rows sent to each rank, rows received from each, the layout's rows).
 
     `ints`: exact mode's host ints when dropless read them already, else None.
     """
-    world = g.size
     if ints is None:
         # Device-to-host sync, the one of an exact dispatch: the uneven all-to-all takes its splits as
         # host ints. One read of 2 * world + 1 ints: the rows sent to and received from each rank,
@@ -296,31 +254,29 @@ def _exact_receive(
         # counts: compiled, each is then an unbacked symbol of its own, and the backward, which
         # takes the split sizes as inputs, binds them (inductor 2.14 cannot bind a sum of symbols).
         ints = host_ints(exact_sizes(per_dest, recv_counts.sum(1), recv_counts, align))
-    send_sizes, recv_sizes, rows = ints[:world], ints[world : 2 * world], ints[2 * world]
+    return ints[:world], ints[world : 2 * world], ints[2 * world]
+
+
+def _exact_layout(
+    recv: Tensor, recv_counts: Tensor, recv_sizes: list[IntLike], rows: IntLike, align: int
+) -> tuple[Tensor, Layout]:
+    """Exact mode's received rows laid out by expert: (out, layout)."""
     n_in = sum(recv_sizes)
     torch._check(rows >= n_in)
-    recv = _exchange_rows(send_rows, recv_sizes, send_sizes, g, formats)
     source, dest_of, counts, offsets, ends = expert_layout(recv_counts, n_in, rows, align)
     back_index = dest_of  # every received row is data: no index past the rows of y
     # The backward gathers each received row's gradient from its layout row.
     out = Gather.apply(recv, source, align > 1, back_index, None)
-    return (
-        out,
-        (source, counts, offsets, ends, back_index),
-        {"send_sizes": send_sizes, "recv_sizes": recv_sizes},
-    )
+    return out, (source, counts, offsets, ends, back_index)
 
 
-def _static_receive(
-    send_rows: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int, g: Group, formats: Formats
+def _static_layout(
+    recv: Tensor, recv_counts: Tensor, cap: int, e_local: int, align: int
 ) -> tuple[Tensor, Layout, dict[str, object]]:
-    """Static mode's even all_to_all of the blocks, laid out by expert: (out, layout, handle extras)."""
-    world = g.size
+    """Static mode's received blocks laid out by expert: (out, layout, handle extras)."""
+    world = recv_counts.shape[0]
     block = cap + 1
     rows = -(-(world * cap + e_local * (align - 1)) // align) * align
-    # One even all_to_all of the blocks: the counts are known from the counts exchange,
-    # so nothing else travels (no header, no pack; the blocks stay where they land).
-    recv = _exchange_blocks(send_rows, g, formats)
     source, dest_of, counts, offsets, ends = block_layout(recv_counts, block, rows, align)
     # The rows combine sends back, as the blocks came: block row q carries its layout
     # row, if it holds data; otherwise an index past y's rows, which combine's gather
@@ -398,7 +354,8 @@ def _route(
     if known is None:
         # Every rank's per-expert counts for this rank's experts: (world, E_local), one row per
         # source. Issued before the send side is laid out, which runs while they travel.
-        recv_counts = _exchange_blocks(per_expert.view(world, e_local), g)
+        one = [1] * world  # row r: the counts of rank r's experts
+        recv_counts = all_to_all_rows_wire_p(per_expert.view(world, e_local), one, one, g.name, None, None)
     else:  # dropless: exchanged already (static mode's path: every pair fits)
         recv_counts = known[0]
     if order is None:  # by expert, the dropped pairs (key E) after the kept ones
@@ -421,9 +378,18 @@ def _route(
     recv_counts = wait(recv_counts)
     if mode == "exact":
         ints = None if known is None else known[1]  # dropless, overflowed: read with the need
-        out, layout, extra = _exact_receive(send_rows, recv_counts, per_dest, ints, align, g, formats)
+        send_sizes, recv_sizes, rows = _exact_sizes(recv_counts, per_dest, ints, align, world)
+    else:  # the blocks: the counts are known from the counts exchange, so nothing else travels
+        send_sizes = recv_sizes = [cap + 1] * world
+    # The primitive, not all_to_all_v: the sizes are host ints already (that op would also
+    # build a recv_sizes tensor from them, a blocking host-to-device copy on CUDA), and the
+    # rows' shapes agree on every rank by construction (nothing to check again).
+    recv = all_to_all_rows_wire_p(send_rows, recv_sizes, send_sizes, g.name, *formats)
+    if mode == "exact":
+        out, layout = _exact_layout(recv, recv_counts, recv_sizes, rows, align)
+        extra: dict[str, object] = {"send_sizes": send_sizes, "recv_sizes": recv_sizes}
     else:
-        out, layout, extra = _static_receive(send_rows, recv_counts, cap, e_local, align, g, formats)
+        out, layout, extra = _static_layout(recv, recv_counts, cap, e_local, align)
         extra.update(_keep=keep, _free=free)
     source, counts, offsets, ends, back_index = layout
     handle = MoEHandle(
@@ -566,7 +532,6 @@ def dispatch(
     x, topk_idx = _check_dispatch_args(
         x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
     )
-    check_wire(opname, x, wire, grad_wire)
     # Sampled by default (funcoll.set_checks): ranks whose calls disagree raise, not abort.
     static = (x.shape[0] * topk_idx.shape[1] if capacity is None else capacity) if mode == "static" else 0
     tail = wire_tail(g.size, [static] + [0] * (g.size - 1), wire, grad_wire)
@@ -633,7 +598,6 @@ def combine(
         raise TypeError(
             f"{opname}: `handle` must be the MoEHandle dispatch returned, got {type(handle).__name__}"
         )
-    check_wire(opname, y, wire, grad_wire)
     if topk_weights is None:
         if handle.topk_weights is None:
             raise TypeError(
@@ -676,9 +640,12 @@ def combine(
     g = resolve_group(opname, handle.group)
     if handle.mode == "exact":
         assert handle.send_sizes is not None and handle.recv_sizes is not None
-        returned = _exchange_rows(back, handle.send_sizes, handle.recv_sizes, g, (wire, grad_wire))
+        recv, send = handle.send_sizes, handle.recv_sizes  # back the way the rows came
     else:  # the blocks go back to their senders as they came, one even all_to_all
-        returned = _exchange_blocks(back, g, (wire, grad_wire))
+        recv = send = [block] * g.size  # type: ignore[list-item]
+    # The primitive: the sizes are host ints already (no recv_sizes tensor to build, which
+    # on CUDA is a blocking host-to-device copy), and the shapes agree by construction.
+    returned = all_to_all_rows_wire_p(back, recv, send, g.name, wire, grad_wire)
     row_of = handle.row_of.view(handle.tokens, handle.topk)
     n_pairs = handle.tokens * handle.topk
     skip: int | None = None
