@@ -41,10 +41,10 @@ BOUND = 5  # gather_padded's rows per rank
 CAP = 3  # all_to_all_padded's rows per destination block
 WIDTH = 4
 # Row widths one dynamic=True step sees in turn: as wide as the size header that travels
-# beside the rows (12 int64, world + 11 for all_to_all_padded: 12 to 14 float64 elements
-# here) or wider, then narrower. The wide ones share one graph (the header takes one row
+# beside the rows (16 + 2 * world int64: 22 float64 elements on these 3 ranks) or wider,
+# then narrower. The wide ones share one graph (the header takes one row
 # whatever the width), the narrow ones another.
-WIDTHS = (16, 24, 4, 6)
+WIDTHS = (24, 32, 4, 6)
 CONFIGS = (("aot_eager", None), ("aot_eager", True), ("inductor", None))
 OUTPUTS = ("y", "sizes", "y2", "recv_sizes", "loss")
 

@@ -113,6 +113,10 @@ MISMATCHES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
         lambda r, w: funcoll.gather(_z(1 + r, 3)) if _last(r, w) else funcoll.all_gather(_z(2, 3)),
         ["different ops", "gather"],
     ),
+    "even-and-static-op": (  # the static ops' header rows have every op's layout
+        lambda r, w: funcoll.gather_padded(_z(2, 3), 1) if _last(r, w) else funcoll.all_gather(_z(2, 3)),
+        ["different ops", "rank 0: all_gather", "gather_padded"],
+    ),
 }
 
 

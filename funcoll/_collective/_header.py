@@ -6,7 +6,9 @@ and for all_to_all_v the send sizes) and what lets every rank check the others: 
 op, ndim, dtype, dim, the rest of the shape, whether `x` requires grad, and the
 op's other arguments. The exchange is a collective every rank joins anyway, so the
 check costs no extra round trip, and ranks that disagree all raise the same
-``ValueError`` instead of a backend abort, garbage or a hang.
+``ValueError`` instead of a backend abort, garbage or a hang. The even ops send the
+same row when they check (``check_only``), and the static ops (``_ops/_static.py``)
+send it beside their data, their counts in its tail, checked on the device.
 
 Reading the table on the host is the single device-to-host sync of a ragged call.
 In eager code that sync is one list conversion; in a compiled graph it happens inside the
@@ -68,6 +70,22 @@ def shape_columns(x: Tensor, dim: int) -> list:
     return shape + [0] * (MAX_DIMS - len(shape))
 
 
+def header_row(
+    key: str, x: Tensor, dim: int | None, args: tuple[int, int] = (0, 0), ndim: int | None = None
+) -> list:
+    """This rank's common columns (OP to the shape), WIDTH ints: how every op's header row starts.
+
+    `key`: the op's registered name. `dim`: the dim whose length SIZE carries and
+    whose shape column is 0; None: none (SIZE 0, every shape column filled). `args`:
+    ARG0 and ARG1. `ndim`: as :func:`exchange`'s.
+    """
+    d = -1 if dim is None else dim
+    return [
+        CODES[key], x.dim() if ndim is None else ndim, dtype_code(x.dtype), d, int(x.requires_grad),
+        0 if dim is None else x.shape[dim], args[0], args[1], *shape_columns(x, d),
+    ]  # fmt: skip
+
+
 def exchange(
     key: str,
     x: Tensor,
@@ -93,12 +111,7 @@ def exchange(
     ``[x.dim()]`` as this rank's header row holds it. `ndim` is what the
     caller passed when it differs from ``x.dim()`` (a 0-d tensor gathered as one row).
     """
-    d = -1 if dim is None else dim
-    row = [
-        CODES[key], x.dim() if ndim is None else ndim, dtype_code(x.dtype), d, int(x.requires_grad),
-        0 if dim is None else x.shape[dim], args[0], args[1], *shape_columns(x, d),
-    ]  # fmt: skip
-    header = ints_on(x.device, row)
+    header = ints_on(x.device, header_row(key, x, dim, args, ndim))
     if sizes is None:
         tail = header.new_zeros(TAIL * g.size)
     else:
@@ -189,17 +202,22 @@ def disagree(opname: str, rows: list[list[int]], what: str, key: Callable[[list[
         raise ValueError(f"{opname}: ranks disagree on {what} ({detail})")
 
 
+def same_op(opname: str, rows: list[list[int]]) -> None:
+    """Raise on every rank if the ranks' rows come from different ops (the OP column)."""
+    if len({r[OP] for r in rows}) > 1:
+        called = [_BY_CODE.get(r[OP]) for r in rows]
+        names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
+        kind = "ragged ops" if all(h is None or not h.check_only for h in called) else "ops"
+        raise ValueError(f"{opname}: ranks called different {kind} at the same point ({names})")
+
+
 def _check_rows(key: str, rows: list[list[int]], rank: int) -> None:
     opname = f"funcoll.{key}"
     spec = HEADERS[key]
     if any(r[OP] == CODES["collective"] for r in rows):
         _check_collectives(rows)
         return
-    if len({r[OP] for r in rows}) > 1:
-        called = [_BY_CODE.get(r[OP]) for r in rows]
-        names = ", ".join(f"rank {i}: {h.name if h else '?'}" for i, h in enumerate(called))
-        kind = "ragged ops" if all(h is None or not h.check_only for h in called) else "ops"
-        raise ValueError(f"{opname}: ranks called different {kind} at the same point ({names})")
+    same_op(opname, rows)
     dim_name = spec.varying_dim
     disagree(opname, rows, "`x`.ndim", lambda r: r[NDIM], lambda r: f"{r[NDIM]} ({describe(r)})")
     disagree(opname, rows, dim_name, lambda r: r[DIM], lambda r: f"{r[DIM]} ({describe(r)})")

@@ -25,7 +25,22 @@ from .._base._checks import IntLike, check_dim, check_sizes
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike
 from .._collective import _prims
-from .._collective._header import DTYPES, MAX_DIMS, after_read, dtype_code, shape_columns
+from .._collective._header import (
+    DIM,
+    DTYPE,
+    DTYPES,
+    GRAD,
+    MAX_DIMS,
+    NDIM,
+    SHAPE,
+    SIZE,
+    TAIL,
+    WIDTH,
+    Header,
+    after_read,
+    header_row,
+    same_op,
+)
 from .._collective._rows import from_rows, ints_on, pack, to_rows
 from ._entry import Refusal, entry
 from ._spec import A2A, AG, RS, STATIC, fixed, spec
@@ -67,14 +82,25 @@ def _facts_on(device: torch.device, facts: tuple[int, ...]) -> Tensor:
     return torch.tensor(facts, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _header(x: Tensor, d: int, counts: Tensor) -> Tensor:
-    """This rank's header: its `counts`, then what the ranks must agree on (ndim, dtype, dim, shape)."""
-    facts = (x.dim(), dtype_code(x.dtype), d, *shape_columns(x, x.dim()))  # dim x.dim(): no column zeroed
+def _header(opname: str, x: Tensor, d: int, counts: Tensor, world: int) -> Tensor:
+    """This rank's header row, in the layout every op's has (:mod:`funcoll._collective._header`).
+
+    The common columns (the op, ndim, dtype, dim, the bound at `dim` in SIZE, the
+    shape), then the tail: this rank's `counts`, then zeros. Every rank's row has
+    ``WIDTH + TAIL * world`` ints, whatever the op, so a rank that calls another op
+    at the same point is named, not a backend abort.
+    """
+    facts = tuple(header_row(opname.removeprefix("funcoll."), x, d))
     if torch.compiler.is_compiling():
         on_device = torch.tensor(facts, dtype=torch.int64, device=x.device)  # a constant of the graph
     else:
         on_device = _facts_on(x.device, facts)
-    return torch.cat([counts, on_device])
+    return torch.cat([on_device, counts, counts.new_zeros(TAIL * world - counts.shape[0])])
+
+
+def _facts(table: Tensor) -> Tensor:
+    """What every rank's row must agree on: the common columns but GRAD (requires_grad may differ)."""
+    return torch.cat([table[:, :GRAD], table[:, GRAD + 1 : WIDTH]], 1)
 
 
 def _check_table(opname: str, table: Tensor, n: int, bound: IntLike, x: Tensor, d: int) -> None:
@@ -83,8 +109,9 @@ def _check_table(opname: str, table: Tensor, n: int, bound: IntLike, x: Tensor, 
     Every rank checks the same table, so either every rank fails or none does;
     nothing is read on the host.
     """
-    lengths = table[:, :n]
-    agree = (table[:, n:] == table[:1, n:]).all() & (lengths >= 0).all() & (lengths <= bound).all()
+    lengths = table[:, WIDTH : WIDTH + n]
+    facts = _facts(table)
+    agree = (facts == facts[:1]).all() & (lengths >= 0).all() & (lengths <= bound).all()
     torch._assert_async(
         agree,
         f"{opname}: every rank's row counts must lie in [0, {spec(opname).limit}], and every rank's x must have the "
@@ -95,24 +122,26 @@ def _check_table(opname: str, table: Tensor, n: int, bound: IntLike, x: Tensor, 
 _ARG = {"gather_padded": "length", "all_to_all_padded": "send_sizes"}  # the counts' argument
 
 
-def _describe_row(facts: list[int]) -> str:
+def _describe_row(row: list[int]) -> str:
     """A header row's facts (ndim, dtype, dim, shape) as ``2-d float32 (4, 3), dim 0``."""
-    ndim, code, d, *shape = facts
+    ndim, code, d = row[NDIM], row[DTYPE], row[DIM]
     dtype = str(DTYPES[code]).removeprefix("torch.") if 0 <= code < len(DTYPES) else "other dtype"
-    return f"{ndim}-d {dtype} {tuple(shape[: min(ndim, MAX_DIMS)])}, dim {d}"
+    shape = [row[SIZE] if i == d else row[SHAPE + i] for i in range(min(ndim, MAX_DIMS))]
+    return f"{ndim}-d {dtype} {tuple(shape)}, dim {d}"
 
 
 def _check_on_host(opname: str, rows: list[list[int]], n: int, bound: int) -> None:
     """Raise funcoll's ValueError, the same on every rank, if the gathered header `rows` break the contract."""
-    facts = [row[n:] for row in rows]
+    same_op(f"funcoll.{opname}", rows)
+    facts = [row[:GRAD] + row[GRAD + 1 : WIDTH] for row in rows]
     if any(f != facts[0] for f in facts):
-        each = "; ".join(f"rank {r}: {_describe_row(f)}" for r, f in enumerate(facts))
+        each = "; ".join(f"rank {r}: {_describe_row(row)}" for r, row in enumerate(rows))
         raise ValueError(
             f"funcoll.{opname}: ranks disagree on `x` ({each}): every rank must pass the same "
             f"shape, dtype and dim"
         )
     for r, row in enumerate(rows):
-        counts = row[:n]
+        counts = row[WIDTH : WIDTH + n]
         if any(c < 0 or c > bound for c in counts):
             shown = counts[0] if n == 1 else counts
             raise ValueError(
@@ -142,15 +171,15 @@ def _exchange(
 ) -> tuple[Tensor, IntLike | None]:
     """All-gather every rank's header on its own, and check it, before any data moves.
 
-    Returns the ``(world, len(counts) + k)`` int64 table on ``x.device``, its first
-    ``len(counts)`` columns every rank's counts (see :func:`_header`), and a zero
+    Returns the ``(world, WIDTH + TAIL * world)`` int64 table on ``x.device``, its
+    tail's first ``len(counts)`` columns every rank's counts (see :func:`_header`), and a zero
     that the check's host read returns (None with checks off), to release the
     data with (:func:`funcoll._collective._header.after_read`). With checks on the table is
     read on the host and a broken contract raises funcoll's ``ValueError`` on
     every rank, in eager and compiled code alike; with checks off (one rank, or
     empty rows) it is a device-side assert.
     """
-    header = _header(x, d, counts)
+    header = _header(opname, x, d, counts, g.size)
     table = (
         header.view(1, -1)
         if g.is_single
@@ -240,7 +269,7 @@ def _move(
         if zero is not None:  # checked: the data travels after the check
             xm = after_read(xm, zero)
         return (xm if g.is_single else plain(xm)), bound, table, None
-    header = _header(x, d, counts)
+    header = _header(opname, x, d, counts, g.size)
     extra = _header_rows(header, twin, xm.shape[1:])
     blocks = with_rows(xm, extra)
     table = _read_header(_tails(blocks, twin, g.size, bound, extra.shape[0]), header.shape[0])
@@ -270,11 +299,15 @@ def _read_header(rows: Tensor, length: int) -> Tensor:
 
 
 _PADDED = "its result is padded to a static length"
+# The header's tail carries the counts (`length`, or `send_sizes`), read and checked on the
+# device by the op itself: nothing of it is read on the host unless checks are on.
+_COUNTS = "the padded `dim`"
 
 
 @entry(
     "gather_padded",
     STATIC,
+    header=Header(varying_dim=_COUNTS),
     limit="x.shape[dim]",
     collectives=fixed({AG: 1}, {RS: 1}),  # the padded rows, the counts header's rows after them
     refuse=Refusal(_PADDED, "funcoll.all_gather(x, dim)"),
@@ -349,7 +382,7 @@ def gather_padded(
         lambda t: _prims.all_gather_p(t, g.name, g.size),
         lambda t, extra: _prims.all_gather_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
-    sizes = table[:, 0]
+    sizes = table[:, WIDTH]  # the tail: every rank's length
     return from_rows(
         pack(blocks, sizes, stride, g.size * bound, zero_row=zero_row), x.dtype, d
     ), sizes.clone()
@@ -358,6 +391,7 @@ def gather_padded(
 @entry(
     "all_to_all_padded",
     STATIC,
+    header=Header(varying_dim=_COUNTS),
     limit="x.shape[dim] // world",
     collectives=fixed({A2A: 1}, {A2A: 1}),  # the blocks, the counts header's rows after each
     refuse=Refusal(_PADDED, "funcoll.all_to_all"),
@@ -379,7 +413,7 @@ def all_to_all_padded(
     shape is ``x``'s, so the op runs inside CUDA graphs and static compiled graphs,
     and never recompiles when the sizes change. The padding travels on the wire,
     in one all_to_all of ``x`` whose every block also carries its sender's small
-    int64 header (``world`` + 11 ints) in a few rows after it; pass `send_sizes`
+    int64 header (``16 + 2 * world`` ints, every op's header layout) in a few rows after it; pass `send_sizes`
     as a tensor on ``x``'s device.
 
     Args:
@@ -438,6 +472,6 @@ def all_to_all_padded(
         lambda t: _prims.all_to_all_p(t, split, split, g.name),
         lambda t, extra: _prims.all_to_all_blocks_p(t, extra, g.name, g.size),
     )  # fmt: skip
-    recv_sizes = table[:, g.rank]  # rank i's count for this rank
+    recv_sizes = table[:, WIDTH + g.rank]  # the tail: rank i's count for this rank
     y = pack(blocks, recv_sizes, stride, g.size * cap, zero_row=zero_row)
     return from_rows(y, x.dtype, d), recv_sizes.clone()
