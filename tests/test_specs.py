@@ -9,6 +9,7 @@ belongs to no op. docs/contributing.md walks through the steps these tests check
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import sys
@@ -165,3 +166,40 @@ def test_the_readme_ops_table_has_every_public_op() -> None:
     ops = {s.name for s in SPECS}
     assert ops <= named, f"README.md's ops table has no row for {sorted(ops - named)}"
     assert named <= ops, f"README.md's ops table names {sorted(named - ops)}, no public op"
+
+
+def _opname_literals() -> list[tuple[str, str, str | None]]:
+    """Every ``opname = "funcoll.x"`` in the package: (where, the name, the @entry name of its function or None)."""
+    found = []
+    for path in sorted(Path(funcoll.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            named = None
+            for dec in fn.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "entry" and dec.args:
+                    named = f"funcoll.{ast.literal_eval(dec.args[0])}"
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Assign) or not isinstance(node.value, (ast.Constant, ast.Tuple)):
+                    continue
+                targets = node.targets[0]
+                names = targets.elts if isinstance(targets, ast.Tuple) else [targets]
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                for t, v in zip(names, values, strict=False):
+                    if getattr(t, "id", None) == "opname" and isinstance(v, ast.Constant):
+                        found.append((f"{path.name}:{node.lineno} {fn.name}", v.value, named))
+    return found
+
+
+def test_an_op_spells_its_name_once_and_its_helpers_are_given_it() -> None:
+    """An op's body names itself as its @entry does; no helper respells an op's name (the op passes it)."""
+    literals = _opname_literals()
+    assert literals, "the scan found no opname at all: it no longer reads the package"
+    entry_ops = {f"funcoll.{s.name}" for s in SPECS} | {"funcoll.moe.dispatch", "funcoll.moe.combine"}
+    for where, name, named in literals:
+        if named is not None:
+            assert name == named, f"{where}: opname {name!r} in the body of @entry({named!r})"
+        elif name in entry_ops:  # an op outside @entry (split_sizes, mark_ragged) names itself
+            fn = where.split()[-1]
+            assert name.endswith(f".{fn}"), f"{where}: a helper spells {name!r}; pass it the op's opname"

@@ -478,6 +478,7 @@ def _all_to_all_dtensor(
 
 
 def _all_to_all_args(
+    opname: str,
     x: Tensor,
     g: Group,
     scatter_dim: int,
@@ -486,7 +487,6 @@ def _all_to_all_args(
     gather_sizes: Sequence[int] | None,
 ) -> tuple[int, int, list[IntLike], list[IntLike] | None]:
     """all_to_all's own checks on this rank: (scatter dim, gather dim, the pieces it sends, `gather_sizes`)."""
-    opname = "funcoll.all_to_all"
     s = check_dim(opname, x, scatter_dim, "scatter_dim")
     gd = check_dim(opname, x, gather_dim, "gather_dim")
     if scatter_sizes is None:
@@ -618,8 +618,10 @@ def all_to_all(
         # rank 0: x = [[1, 2], [3, 4]]  rank 1: x = [[5, 6]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 1, 0, gather_sizes=[2, 1])  # rank 0: [[1], [3], [5]]  rank 1: [[2], [4], [6]]
     """
-    g = cast(Group, group)
-    s, gd, pieces, widths = _all_to_all_args(x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+    opname, g = "funcoll.all_to_all", cast(Group, group)
+    s, gd, pieces, widths = _all_to_all_args(
+        opname, x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes
+    )
     expected = widths if widths is not None else [x.shape[gd]] * g.size
     x = check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
     if g.is_single:

@@ -45,6 +45,7 @@ MODES = ("exact", "static", "dropless")
 
 
 def _check_dispatch_args(
+    opname: str,
     x: object,
     topk_idx: object,
     num_experts: object,
@@ -56,7 +57,6 @@ def _check_dispatch_args(
     topk_weights: object = None,
 ) -> tuple[Tensor, Tensor]:
     """Every argument check of :func:`dispatch` after its entry's, before any communication."""
-    opname = "funcoll.moe.dispatch"
     assert isinstance(x, Tensor) and isinstance(topk_idx, Tensor)  # the entry checked them
     if x.dim() != 2:
         raise ValueError(f"{opname}: `x` must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
@@ -295,10 +295,9 @@ def _static_layout(
 
 
 def _expert_ids(
-    topk_idx: Tensor, counts: Tensor | None, num_experts: int, device: torch.device
+    opname: str, topk_idx: Tensor, counts: Tensor | None, num_experts: int, device: torch.device
 ) -> tuple[Tensor, Tensor | None]:
     """Each pair's expert id (pair f = t * k + j) and the caller's counts, checked on the device."""
-    opname = "funcoll.moe.dispatch"
     expert = topk_idx.to(device=device, dtype=torch.int64).reshape(-1)
     torch._assert_async(  # floor division gives 0 exactly for the ids in [0, E): one pass, not two compares
         (expert // num_experts == 0).all(),
@@ -527,16 +526,16 @@ def dispatch(
     opname = "funcoll.moe.dispatch"
     policy = mode if isinstance(mode, Dropless) else None
     if policy is not None:
-        mode, capacity = policy._mode(capacity)
+        mode, capacity = policy._mode(opname, capacity)
     g = resolve_group(opname, group)  # once: what dispatch issues runs on `g`
     x, topk_idx = _check_dispatch_args(
-        x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
+        opname, x, topk_idx, num_experts, g.size, mode, capacity, align, counts, topk_weights
     )
     # Sampled by default (funcoll.set_checks): ranks whose calls disagree raise, not abort.
     static = (x.shape[0] * topk_idx.shape[1] if capacity is None else capacity) if mode == "static" else 0
     tail = wire_tail(g.size, [static] + [0] * (g.size - 1), wire, grad_wire)
     x = check_agreement("moe.dispatch", x, g, 0, (num_experts, MODES.index(mode)), tail)
-    expert, given = _expert_ids(topk_idx, counts, num_experts, x.device)
+    expert, given = _expert_ids(opname, topk_idx, counts, num_experts, x.device)
     out, handle = _route(
         x, expert, given, topk_idx.shape[1], num_experts, mode, capacity, align, g, group, topk_weights,
         (wire, grad_wire),

@@ -145,9 +145,8 @@ class Dropless:
         finally:
             self._active, self._exact = False, False
 
-    def _mode(self, capacity: object) -> tuple[str, int | None]:
-        """The mode and capacity a dispatch with ``mode=self`` runs with."""
-        opname = "funcoll.moe.dispatch"
+    def _mode(self, opname: str, capacity: object) -> tuple[str, int | None]:
+        """The mode and capacity a dispatch (`opname`) with ``mode=self`` runs with."""
         if not self._active:
             raise ValueError(
                 f"{opname}: `mode`={self!r} dispatches inside policy.run(forward, ...), which checks the "
