@@ -122,7 +122,14 @@ def test_the_reading_finds_the_known_imports() -> None:
 # group queries themselves, DTensor's own mesh dims, and the frontends whose group is
 # not an op's argument as passed (a mesh dim read with placements, a handle's group,
 # a policy's, compat's default world, shard_map's mesh axes).
-ENTRY_STEPS = ("check_tensor", "resolve_group", "dtensor_input", "refuse_dtensor")
+ENTRY_STEPS = (
+    "check_tensor",
+    "resolve_group",
+    "dtensor_input",
+    "refuse_dtensor",
+    "check_wire",
+    "exact_for_dtensor",
+)
 ENTRY_STEPS_ELSEWHERE = {
     ("funcoll._base._group", "resolve_group"): 2,  # axis_index, axis_size: the group queries
     ("funcoll._base._dtensor", "resolve_group"): 2,  # a DTensor's mesh dim to its group
@@ -136,7 +143,7 @@ ENTRY_STEPS_ELSEWHERE = {
 
 
 def test_the_entry_steps_are_written_once() -> None:
-    """Tensor checks, group resolution and DTensor in/refusal: in the ops' entry, not by hand in each op."""
+    """Tensor checks, wire formats, group resolution and DTensor in/refusal: in the ops' entry, not by hand."""
     found: dict[tuple[str, str], int] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         me = _module(path)
