@@ -353,6 +353,18 @@ def _call_all_to_all_heads_back(x: Tensor, group: Any = None) -> Tensor:
     return funcoll.all_to_all(x, group, 1, 2, gather_sizes=funcoll.split_sizes(world + 1, world))
 
 
+def _call_all_to_all_heads_back_int8(x: Tensor, group: Any = None) -> Tensor:
+    world = funcoll.axis_size(group)
+    return funcoll.all_to_all(
+        x,
+        group,
+        1,
+        2,
+        gather_sizes=funcoll.split_sizes(world + 1, world),
+        wire=funcoll.Wire(torch.int8),
+    )
+
+
 def _call_axis(x: Tensor, group: Any = None) -> Tensor:
     rank, world = _rank_and_world(group)
     return x * rank + world
@@ -637,6 +649,19 @@ CASES: list[OpCase] = [
         call=_call_all_to_all_heads_back,
         reference=_ref_all_to_all(1, 2),
         at_scale=True,
+    ),
+    _case(
+        "all_to_all-x2x3x2wx5-scatter2-gather1-wire-bf16",
+        _exact_in("bf16", "all_to_all-x2x3x2wx5-scatter2-gather1-wire-bf16", 2, 3, _twice, 5),
+        call=lambda x, group=None: funcoll.all_to_all(x, group, wire=funcoll.Wire(torch.bfloat16)),
+        reference=_ref_all_to_all(2, 1),
+    ),
+    _case(
+        # Ulysses' way back, heads uneven, each row of D in int8 (one scale a row)
+        "all_to_all-x2x2w+1xH_rx3-uneven-heads-wire-int8",
+        _exact_in("int8", "all_to_all-x2x2w+1xH_rx3-uneven-heads-wire-int8", 2, _twice_plus_one, _heads, 3),
+        call=_call_all_to_all_heads_back_int8,
+        reference=_ref_all_to_all(1, 2),
     ),
     _case("ppermute-ring-x3x5", call=_call_ppermute_ring, reference=_ref_ppermute(_ring), at_scale=True),
     _case(

@@ -86,8 +86,13 @@ MODE_TITLES = {
     "seed": "seed-style helpers (eager)",
     "eager": "funcoll eager",
     "compiled": "funcoll compiled",
+    "quantized": "funcoll eager, FP8 all_to_alls",
     "reference": "reference (1 process)",
 }
+# --wire: the attention's all_to_alls in float8 e4m3, a scale per head's values (DeepEP's
+# dispatch format), their gradients in bfloat16 (docs/wire.md)
+WIRE = (funcoll.Wire(torch.float8_e4m3fn, block=HEAD_DIM), funcoll.Wire(torch.bfloat16))
+WIRE_RTOL = 0.05  # the quantized run's every loss within 5% of the reference's
 
 Params = dict[str, Tensor]
 T = TypeVar("T")
@@ -102,12 +107,19 @@ class Config:
         device: ``"cpu"`` or ``"cuda"``.
         compile_backend: the ``torch.compile`` backend of the compiled run.
         seed: the seed of the parameters and of every step's batch.
+        wire: also train with the attention's all_to_alls in :data:`WIRE`'s formats.
     """
 
     steps: int = 30
     device: str = "cpu"
     compile_backend: str = "aot_eager"
     seed: int = 0
+    wire: bool = False
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The runs on the ranks, in order: :data:`MODES`, then with `wire` the quantized one."""
+        return (*MODES, "quantized") if self.wire else MODES
 
 
 @dataclass
@@ -277,8 +289,18 @@ def token_losses(p: Params, batch: tuple[Tensor, Tensor, Tensor, Tensor], attend
 
 
 # ------------------------------------------------------------------------------- the steps
-def funcoll_loss(p: Params, tokens: Tensor, pos: Tensor, seg: Tensor, tgt: Tensor) -> Tensor:
-    """The funcoll step's forward and loss (the function the compiled run compiles)."""
+def funcoll_loss(
+    p: Params,
+    tokens: Tensor,
+    pos: Tensor,
+    seg: Tensor,
+    tgt: Tensor,
+    formats: tuple[funcoll.Wire | None, funcoll.Wire | None] = (None, None),
+) -> Tensor:
+    """The funcoll step's forward and loss (the function the compiled run compiles).
+
+    `formats`: the attention all_to_alls' ``(wire, grad_wire)`` (None: exact).
+    """
     # The four inputs are one shard, each marked ragged on its own: say their lengths
     # are one (dynamo before torch 2.13 cannot prove it where cross_entropy meets them).
     for t in (pos, seg, tgt):
@@ -289,10 +311,13 @@ def funcoll_loss(p: Params, tokens: Tensor, pos: Tensor, seg: Tensor, tgt: Tenso
     heads = funcoll.split_sizes(HEADS, funcoll.axis_size())
 
     def attend(qkv: Tensor) -> Tensor:
-        full = funcoll.all_to_all(qkv, None, scatter_dim=1, gather_dim=0, gather_sizes=sizes)
+        wire, grad_wire = formats
+        full = funcoll.all_to_all(
+            qkv, None, scatter_dim=1, gather_dim=0, gather_sizes=sizes, wire=wire, grad_wire=grad_wire
+        )
         o = attention(full, seg_all)  # (N, H_r, D): the whole sequence, this rank's heads
         return funcoll.all_to_all(
-            o, None, scatter_dim=0, gather_dim=1, scatter_sizes=sizes, gather_sizes=heads
+            o, None, 0, 1, scatter_sizes=sizes, gather_sizes=heads, wire=wire, grad_wire=grad_wire
         )
 
     losses = token_losses(p, (tokens, pos, seg, tgt), attend)
@@ -409,7 +434,7 @@ def _sync(device: torch.device) -> None:
 
 
 def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> PhaseResult:
-    """Train the model for ``cfg.steps`` steps the `mode` way (``"seed"``, ``"eager"``, ``"compiled"``)."""
+    """Train the model for ``cfg.steps`` steps the `mode` way (``"seed"``, ``"eager"``, ``"compiled"``, ``"quantized"``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -419,6 +444,8 @@ def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> Pha
     params = {k: v.to(device).requires_grad_() for k, v in init_params(cfg).items()}
     result = PhaseResult()
     step_fn: Callable[..., Tensor] = seed_loss if mode == "seed" else funcoll_loss
+    if mode == "quantized":
+        step_fn = functools.partial(funcoll_loss, formats=WIRE)
     counter = None
     if mode == "compiled":
         torch._dynamo.reset()

@@ -65,6 +65,12 @@ MISMATCHES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
         lambda r, w: funcoll.all_gather(_z(2, 8), wire=funcoll.Wire(torch.int8) if _last(r, w) else None),
         ["funcoll.all_gather:", "`wire`", "rank 0: None", "Wire(torch.int8)"],
     ),
+    "all_to_all-wire": (  # all_to_all's tail is full: its formats travel in ARG1
+        lambda r, w: funcoll.all_to_all(
+            _z(2, w, 8), None, 1, 0, wire=funcoll.Wire(torch.bfloat16) if r else None
+        ),
+        ["funcoll.all_to_all:", "`wire`, `grad_wire`", "rank 0: None, None", "Wire(torch.bfloat16)"],
+    ),
     "reduce_scatter-grad_wire": (
         lambda r, w: funcoll.reduce_scatter(_z(w, 8), grad_wire=funcoll.Wire(torch.bfloat16) if r else None),
         ["funcoll.reduce_scatter:", "`grad_wire`", "rank 0: None", "Wire(torch.bfloat16)"],

@@ -60,6 +60,32 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
     assert "MISMATCH" in capsys.readouterr().out
 
 
+def test_demo_with_fp8_all_to_alls_tracks_the_reference(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """``--wire``: a fourth run, its all_to_alls in FP8, every loss within WIRE_RTOL of the reference's (and not equal)."""
+    captured: dict[str, Any] = {}
+    real_run_ranks = demo.run_ranks
+
+    def keep_runs(*args: Any, **kwargs: Any) -> Any:
+        captured["runs"] = real_run_ranks(*args, **kwargs)
+        return captured["runs"]
+
+    monkeypatch.setattr(demo, "run_ranks", keep_runs)
+    assert demo.main(["--world", "2", "--steps", "6", "--wire"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 all_to_alls" in out and "OK: the three runs match" in out
+    runs = captured["runs"]
+    ref = train.reference(train.Config(steps=6), show=False)
+    for r in runs:
+        q = r["quantized"]
+        drift = max(abs(a - b) / abs(b) for a, b in zip(q.losses, ref.losses, strict=True))
+        assert 0 < drift <= train.WIRE_RTOL, drift
+        assert q.comm_calls == r["eager"].comm_calls  # the same collectives, fewer bytes in each
+    # A quantized run beyond the tolerance fails the demo.
+    runs[0]["quantized"].losses[3] *= 1 + 2 * train.WIRE_RTOL
+    assert demo.report(train.Config(steps=6, wire=True), 2, "gloo", runs) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
 def test_demo_runs_under_torchrun() -> None:
     """``torchrun --nproc-per-node 2 -m funcoll.demo``: the launcher's ranks train, rank 0 prints the summary.
 

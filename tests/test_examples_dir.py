@@ -61,6 +61,17 @@ def test_example_matches_one_process(name: str) -> None:
     assert len(results) == WORLDS[name]
 
 
+def test_moe_layer_in_quantized_formats_tracks_the_exact_loss() -> None:
+    """FP8 dispatch, bf16 combine, an int8 router gather: each step's loss near the exact one-process loss."""
+    mod = _load("moe_layer.py")
+    results = run_ranks(mod.run, 2, "aot_eager", "quantized", timeout=120)
+    for r in results:  # run() asserted the tolerance on each rank; the curves must also have moved
+        losses, ref = r["losses"], r["reference"]
+        assert len(losses) == len(ref) == mod.STEPS
+        drift = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
+        assert 0 < drift <= mod.LOSS_RTOL, drift
+
+
 def test_example_script_runs_without_a_launcher() -> None:
     """The in-suite command of the docstrings, as a user types it: exit status 0, every rank reports."""
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""funcoll.Wire: all_gather and reduce_scatter in quantized wire formats, on real gloo ranks.
+"""funcoll.Wire: the ops in quantized wire formats, on real gloo ranks.
 
 Every rank r holds seeded float32 data. The reference is computed in the parent in
 float64 from all ranks' inputs: the concatenation (all_gather) or the sum of the
@@ -178,6 +178,54 @@ def _rows_cases(rank: int, world: int) -> dict[str, Tensor]:
     return out
 
 
+# Ulysses: (B, S_r, H, D) -> (B, S, H_r, D) and back, S and H that no world divides
+UL_B, UL_S, UL_H, UL_D = 2, 7, 5, 48
+UL_IN = (Wire(I8, block=16), Wire(BF))  # seq -> heads: int8 pieces, bf16 gradient
+UL_BACK = (Wire(BF), Wire(E4, block=32))  # heads -> seq
+EVEN_WIRE = (Wire(E5, block=8), None)  # an even all_to_all of (2, 3 * world, 20), dims 1 -> 0
+
+
+def _ulysses_q(rank: int, world: int) -> Tensor:
+    s = funcoll.split_sizes(UL_S, world)[rank]
+    return torch.randn(UL_B, s, UL_H, UL_D, generator=torch.Generator().manual_seed(800 + rank)) * (1 + rank)
+
+
+def _ulysses_o(rank: int, world: int) -> Tensor:
+    h = funcoll.split_sizes(UL_H, world)[rank]
+    return torch.randn(UL_B, UL_S, h, UL_D, generator=torch.Generator().manual_seed(850 + rank))
+
+
+def _even_a2a_x(rank: int, world: int) -> Tensor:
+    return torch.randn(2, 3 * world, 20, generator=torch.Generator().manual_seed(870 + rank))
+
+
+def _all_to_alls(rank: int, world: int) -> dict[str, Tensor]:
+    """Each call's result and x.grad, the gradient of ``(y * weights).sum()``."""
+    s_sizes, h_sizes = funcoll.split_sizes(UL_S, world), funcoll.split_sizes(UL_H, world)
+    calls = {
+        "in": (_ulysses_q, lambda t: funcoll.all_to_all(t, None, 2, 1, gather_sizes=s_sizes, wire=UL_IN[0], grad_wire=UL_IN[1])),
+        "back": (
+            _ulysses_o,
+            lambda t: funcoll.all_to_all(
+                t, None, 1, 2, scatter_sizes=s_sizes, gather_sizes=h_sizes, wire=UL_BACK[0], grad_wire=UL_BACK[1]
+            ),
+        ),
+        "even": (_even_a2a_x, lambda t: funcoll.all_to_all(t, None, 1, 0, wire=EVEN_WIRE[0])),
+    }  # fmt: skip
+    out: dict[str, Tensor] = {}
+    for name, (make, call) in calls.items():
+        x = make(rank, world).requires_grad_()
+        y = call(x)
+        (y * _a2a_weights(name, rank, tuple(y.shape))).sum().backward()
+        assert x.grad is not None
+        out[name], out[f"{name}-dx"] = y.detach(), x.grad
+    return out
+
+
+def _a2a_weights(name: str, rank: int, shape: tuple[int, ...]) -> Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, name)) + rank))
+
+
 GATHER_WIRE, GATHER_GRAD = Wire(I8, block=32), Wire(E5, block=32)
 STRATEGIES = ("a2a", "pad", "shift")
 
@@ -287,6 +335,17 @@ def _errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
         "int-data": lambda: funcoll.all_gather(x.long(), wire=Wire(I8)),
         "int-grad": lambda: funcoll.reduce_scatter(x.long(), grad_wire=Wire(BF)),
         "sizes": lambda: funcoll.reduce_scatter(x, sizes=[2] * world, wire=Wire(I8)),
+        "a2a-blocks-dim": lambda: funcoll.all_to_all(
+            torch.randn(2, 3, 1 + rank % 2),
+            None,
+            1,
+            2,
+            gather_sizes=[1 + r % 2 for r in range(world)],
+            wire=Wire(I8),
+        ),
+        "dtensor-a2a": lambda: funcoll.all_to_all(
+            distribute_tensor(torch.randn(world, world), mesh, [Shard(0)]), mesh, 1, 0, grad_wire=Wire(BF)
+        ),
         "bad-dtype": lambda: Wire(torch.int32),
         "block-on-cast": lambda: Wire(BF, block=4),
         "block-zero": lambda: Wire(I8, block=0),
@@ -308,6 +367,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
         "errors": _errors(rank, world),
         "rows": _rows_cases(rank, world),
         "gathers": _gathers(rank, world),
+        "all_to_alls": _all_to_alls(rank, world),
         "training": (_train(rank, world, False), _train(rank, world, True)),
         "code": _generated_code(rank, world) if world == 2 else [],
         "in_flight": funcoll.testing.in_flight(),
@@ -467,6 +527,11 @@ def test_bad_formats_raise_before_communicating(world: int) -> None:
             "ValueError",
             "funcoll.reduce_scatter: `wire`=Wire(torch.int8), `grad_wire`=None are for equal",
         ),
+        "a2a-blocks-dim": (
+            "ValueError" if world > 1 else "no error",  # one rank: the sizes are all equal
+            "funcoll.all_to_all: `gather_sizes`=[1, 2" if world > 1 else "",
+        ),
+        "dtensor-a2a": ("ValueError", "funcoll.all_to_all: `wire`=None, `grad_wire`=Wire(torch.bfloat16): a"),
         "bad-dtype": ("ValueError", "funcoll.Wire: `dtype`=torch.int32 is not a wire format"),
         "block-on-cast": ("ValueError", "funcoll.Wire: `block`=4 is for the 8-bit formats"),
         "block-zero": ("ValueError", "funcoll.Wire: `block`=0 must be an int in [1, 2**26] or None"),
@@ -674,3 +739,32 @@ def test_training_with_quantized_formats_tracks_the_exact_run(world: int) -> Non
         assert quantized != exact, "the formats changed nothing: did they quantize?"
         first, last = sum(quantized[:3]) / 3, sum(quantized[-3:]) / 3
         assert last < 0.85 * first, f"w{world}: the quantized run does not learn: {quantized}"
+
+
+def _a2a_reference(scatter: int, gather: int, xs: list[Tensor], scatter_sizes: list[int]) -> list[Tensor]:
+    """Rank j's all_to_all result in one process: piece j of every rank's x, concatenated in rank order."""
+    return [torch.cat([x.split(scatter_sizes, scatter)[j] for x in xs], gather) for j in range(len(xs))]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all_within_the_bound(world: int) -> None:
+    """Ulysses both ways with S and H that the world does not divide, and an even all_to_all; and x.grad."""
+    s_sizes, h_sizes = funcoll.split_sizes(UL_S, world), funcoll.split_sizes(UL_H, world)
+    quantized = world > 1
+    cases = {  # name: (inputs, scatter dim, gather dim, scatter sizes, the gather dim's sizes, formats)
+        "in": ([_ulysses_q(r, world) for r in range(world)], 2, 1, h_sizes, s_sizes, UL_IN),
+        "back": ([_ulysses_o(r, world) for r in range(world)], 1, 2, s_sizes, h_sizes, UL_BACK),
+        "even": ([_even_a2a_x(r, world) for r in range(world)], 1, 0, [3] * world, [2] * world, EVEN_WIRE),
+    }
+    for name, (xs, sd, gd, pieces, widths, (wire, grad_wire)) in cases.items():
+        want = _a2a_reference(sd, gd, [x.double() for x in xs], pieces)
+        got = [batch(world)[r]["all_to_alls"] for r in range(world)]
+        ws = [_a2a_weights(name, r, tuple(want[r].shape)).double() for r in range(world)]
+        # x.grad on rank i: its piece j's weights from rank j, where rank i's rows landed
+        dx = [torch.cat([w.split(widths, gd)[i] for w in ws], sd) for i in range(world)]
+        for r in range(world):
+            where = f"all_to_all {name} w{world} rank {r}"
+            _within(got[r][name], want[r], bound(want[r], wire) * quantized, where)
+            _within(got[r][f"{name}-dx"], dx[r], bound(dx[r], grad_wire) * quantized, f"{where} x.grad")
+            if quantized and wire is not None and want[r].numel():
+                assert not torch.equal(got[r][name].double(), want[r]), f"{where}: no rounding at all"

@@ -18,11 +18,13 @@ exact op, where it reaches the loss); a 16-bit format carries them as they are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ._checks import IntLike
 from ._sym import prod
 
 __all__ = ["Wire"]
@@ -125,6 +127,16 @@ def _per_value(scale: Tensor, width: int, last: int) -> Tensor:
     return scale.squeeze(-1)[..., block_of]
 
 
+def _as_bytes(t: Tensor, outer: Sequence[IntLike], per: IntLike) -> Tensor:
+    """`t`'s `per` values for each of `outer` as bytes: ``(*outer, per * itemsize)`` uint8.
+
+    Flat first: a view between element sizes needs a last stride of 1, which a moved
+    dim may lack even where ``is_contiguous()`` holds (a dim of length 1 with another
+    stride: all_to_all's rows of a scatter dim).
+    """
+    return t.reshape(-1).view(torch.uint8).reshape(*outer, per * t.element_size())
+
+
 def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     """`x` in `wire`'s format as uint8 bytes: (scaled formats) its float32 scales, then its codes.
 
@@ -134,7 +146,7 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     outer = x.shape[:lead]
     per = prod(x.shape[lead:])  # values in each of the `lead` items (explicit: there may be no item)
     if not wire.scaled:
-        return x.to(wire.dtype).reshape(*outer, per).view(torch.uint8)
+        return _as_bytes(x.to(wire.dtype), outer, per)
     t = x.reshape(*outer, 1) if x.dim() == lead else x  # a 0-d tensor: one block of one value
     last = t.shape[-1]
     width = last if wire.block is None else wire.block
@@ -154,8 +166,8 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     q = q.clamp_(-fmax, fmax)  # float8 has no inf: past its largest code a cast gives NaN
     if wire.dtype == torch.int8:
         q = q.round_()
-    codes = q.to(wire.dtype).reshape(*outer, per).view(torch.uint8)
-    scales = scale.reshape(*outer, prod(t.shape[lead:-1]) * nb).view(torch.uint8)
+    codes = _as_bytes(q.to(wire.dtype), outer, per)
+    scales = _as_bytes(scale, outer, prod(t.shape[lead:-1]) * nb)
     used = scales.shape[-1] + codes.shape[-1]
     pad = codes.new_zeros(*outer, _round4(used) - used)
     return torch.cat([scales, codes, pad], -1)

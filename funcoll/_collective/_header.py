@@ -633,9 +633,9 @@ def row_sizes(
 
 
 # ------------------------------------------------------ the wire formats' agreement
-def same_wire(opname: str, rows: list[list[int]]) -> None:
-    """A quantizing op's formats (the last tail column, :func:`wire_tail`): the same on every rank."""
-    disagree(opname, rows, "`wire`, `grad_wire`", lambda r: r[-1], lambda r: show_pair(r[-1]))
+def same_wire(opname: str, rows: list[list[int]], col: int = -1) -> None:
+    """A quantizing op's formats (:func:`wire_tail`'s last tail column, or `col`): the same on every rank."""
+    disagree(opname, rows, "`wire`, `grad_wire`", lambda r: r[col], lambda r: show_pair(r[col]))
 
 
 def wire_tail(
@@ -643,7 +643,8 @@ def wire_tail(
 ) -> list[IntLike] | None:
     """A checked call's header tail: the op's `sizes` and zeros, then both formats' code in the last column.
 
-    No op's own tail reaches the last column but all_to_all's, which takes no format.
+    No op's own tail reaches the last column but all_to_all's, whose formats travel in
+    ARG1 instead.
     None when both formats are exact and the op has no sizes: the tail then stays zeros.
     """
     if wire is None and grad_wire is None:

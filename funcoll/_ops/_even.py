@@ -24,7 +24,7 @@ from .._base._checks import (
 )
 from .._base._dtensor import MeshAxis, is_placement
 from .._base._group import Group, GroupLike
-from .._base._quant import Wire
+from .._base._quant import Wire, pair_code
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
@@ -49,7 +49,7 @@ from .._collective._header import (
     wire_tail,
     with_stats,
 )
-from .._collective._quantized import all_gather_wire_p, reduce_scatter_wire_p
+from .._collective._quantized import all_gather_wire_p, all_to_all_rows_wire_p, reduce_scatter_wire_p
 from .._collective._rows import from_rows, to_rows
 from ._entry import Refusal, entry
 from ._ragged import reduce_scatter_v
@@ -536,14 +536,18 @@ def _widths_agree(opname: str, rows: list[list[int]]) -> None:
             )
 
 
+def _same_wire(opname: str, rows: list[list[int]]) -> None:
+    same_wire(opname, rows, ARG1)
+
+
 @entry(
     "all_to_all",
     EVEN,
     header=Header(
-        args=(Arg("scatter_dim"), None),
+        args=(Arg("scatter_dim"), None),  # ARG1: the formats' code (the tail is full)
         reads=NDIM_ONLY,
         varying_dim="`gather_dim`",
-        checks=(_widths_agree,),
+        checks=(_widths_agree, _same_wire),
         check_only=True,
     ),
     collectives=_A2A,
@@ -558,6 +562,8 @@ def all_to_all(
     *,
     scatter_sizes: Sequence[int] | None = None,
     gather_sizes: Sequence[int] | None = None,
+    wire: Wire | None = None,
+    grad_wire: Wire | None = None,
 ) -> Tensor:
     """Split `x` along `scatter_dim`, send piece i to rank i, concatenate what arrives along `gather_dim`.
 
@@ -589,6 +595,12 @@ def all_to_all(
             every rank; None splits as ``torch.tensor_split`` does (:func:`split_sizes`).
         gather_sizes: world ints, the same on every rank: rank i's
             ``x.shape[gather_dim]``; None when it is the same on every rank.
+        wire: the format the pieces travel in (docs/wire.md), with block scales
+            along the last dim that is not `scatter_dim` (the head dim D of
+            Ulysses' ``(B, S, H, D)``): ``funcoll.Wire(torch.bfloat16)`` halves
+            float32's bytes. None (default): exact. With `gather_sizes` that
+            differ, `gather_dim` must not be that blocks' dim.
+        grad_wire: the format of the backward's pieces (None: exact).
 
     Returns:
         A new tensor: ``x.shape`` with ``shape[scatter_dim]`` replaced by this rank's
@@ -597,7 +609,8 @@ def all_to_all(
 
     Backward: ``all_to_all`` of the gradient with the two dims swapped, each with
     its sizes: pieces of `gather_dim` go back to the rank they came from and are
-    concatenated along `scatter_dim`.
+    concatenated along `scatter_dim`, in `grad_wire`. The forward's rounding counts
+    as the identity (straight-through).
 
     Ranks whose shapes disagree make the backend abort or hang; with
     ``funcoll.set_checks(True)`` every rank raises a ``ValueError`` instead. A
@@ -617,31 +630,72 @@ def all_to_all(
         # a sequence of 3 on 2 ranks, to heads (scatter_dim=1, gather_dim=0):
         # rank 0: x = [[1, 2], [3, 4]]  rank 1: x = [[5, 6]]   (gather_sizes=[2, 1])
         all_to_all(x, None, 1, 0, gather_sizes=[2, 1])  # rank 0: [[1], [3], [5]]  rank 1: [[2], [4], [6]]
+        # rank 0: x = [[1., 2.]]      rank 1: x = [[3., 4.]]
+        all_to_all(x, None, 1, 0, wire=Wire(torch.bfloat16))  # rank 0: [[1.], [3.]]  rank 1: [[2.], [4.]]
     """
     opname, g = "funcoll.all_to_all", cast(Group, group)
     s, gd, pieces, widths = _all_to_all_args(
         opname, x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes
     )
+    even = widths is None or _static_equal(widths)  # every rank's rows have one shape
+    if not even:
+        _check_blocks_dim(opname, x, s, gd, widths, wire, grad_wire)
     expected = widths if widths is not None else [x.shape[gd]] * g.size
-    x = check_agreement("all_to_all", x, g, gd, (s, 0), [*expected, *pieces])
+    x = check_agreement("all_to_all", x, g, gd, (s, pair_code(wire, grad_wire)), [*expected, *pieces])
     if g.is_single:
         return fresh(x)
     mine = pieces[g.rank]
     xm = to_rows(x, s)  # (S, *R)
-    if widths is None or _static_equal(widths):  # every rank's rows have one shape
-        z = _prims.all_to_all_p(xm, [mine] * g.size, pieces, g.name)  # (world * mine, *R)
+    if even:  # each row in the formats, with its own scales (None: the exact primitive)
+        z = all_to_all_rows_wire_p(xm, [mine] * g.size, pieces, g.name, wire, grad_wire)  # (world * mine, *R)
         if s == 0 and gd == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
             return unwire(z, x.dtype)
         z = z.view(g.size, mine, *xm.shape[1:]).movedim(1, s + 1)  # (world, *x.shape with S -> mine)
         return unwire(_merge_rank_axis(z, gd).contiguous(), x.dtype)
-    # Rows differ in width between ranks: they travel flat, each piece as its elements.
+    assert widths is not None
+    return unwire(_uneven_rows(xm, g, s, gd, pieces, widths, wire, grad_wire), x.dtype)
+
+
+def _check_blocks_dim(
+    opname: str, x: Tensor, s: int, gd: int, widths: object, wire: Wire | None, grad_wire: Wire | None
+) -> None:
+    """A format's blocks run along the last dim (the one before, when it is `s`): not the uneven gather dim."""
+    if (wire is not None or grad_wire is not None) and gd == (
+        x.dim() - 2 if s == x.dim() - 1 else x.dim() - 1
+    ):
+        raise ValueError(
+            f"{opname}: `gather_sizes`={widths} differ along gather_dim {gd}, the dim along which "
+            f"`wire`={wire!r}, `grad_wire`={grad_wire!r} put their blocks: every rank's blocks must "
+            f"be cut alike (gather along another dim, or pass both as None)"
+        )
+
+
+def _uneven_rows(
+    xm: Tensor,
+    g: Group,
+    s: int,
+    gd: int,
+    pieces: list[IntLike],
+    widths: Sequence[IntLike],
+    wire: Wire | None,
+    grad_wire: Wire | None,
+) -> Tensor:
+    """all_to_all of `xm`'s rows (the scatter dim first) whose shapes differ between ranks along `gd`."""
+    mine = pieces[g.rank]
     gm = gd + 1 if gd < s else gd  # the gather dim in xm's layout
-    row = prod(xm.shape[1:])  # elements per row
     rows_of = [[*xm.shape[1:gm], w, *xm.shape[gm + 1 :]] for w in widths]  # rank i's row shape
-    recv = [mine * prod(r) for r in rows_of]
-    got = _prims.all_to_all_p(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
+    if wire is not None or grad_wire is not None:  # as rows of the last dim, which every rank's share
+        last = xm.shape[-1]
+        recv = [mine * prod(r[:-1]) for r in rows_of]
+        got = all_to_all_rows_wire_p(
+            xm.reshape(-1, last), recv, [p * prod(xm.shape[1:-1]) for p in pieces], g.name, wire, grad_wire
+        )
+    else:  # flat, each piece as its elements
+        row = prod(xm.shape[1:])  # elements per row
+        recv = [mine * prod(r) for r in rows_of]
+        got = _prims.all_to_all_p(xm.reshape(-1), recv, [p * row for p in pieces], g.name)
     blocks = [b.view(mine, *r) for b, r in zip(torch.split(got, recv), rows_of, strict=True)]
-    return unwire(torch.cat(blocks, gm).movedim(0, s).contiguous(), x.dtype)
+    return torch.cat(blocks, gm).movedim(0, s).contiguous()
 
 
 def _static_equal(sizes: Sequence[IntLike]) -> bool:
