@@ -18,8 +18,8 @@ from funcoll import _demo_train as train
 from funcoll import demo
 
 
-def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    """4 steps on 2 ranks: exit 0, agreement with the reference, 0 graph breaks, 1 compile per rank."""
+def _keep_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Make the demo's run_ranks also keep what the ranks returned, under "runs"."""
     captured: dict[str, Any] = {}
     real_run_ranks = demo.run_ranks
 
@@ -28,6 +28,12 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
         return captured["runs"]
 
     monkeypatch.setattr(demo, "run_ranks", keep_runs)
+    return captured
+
+
+def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """4 steps on 2 ranks: exit 0, agreement with the reference, 0 graph breaks, 1 compile per rank."""
+    captured = _keep_runs(monkeypatch)
     with funcoll.set_checks(False):  # as a user runs it: the counts below are those without checks
         assert demo.main(["--world", "2", "--steps", "4"]) == 0
     out = capsys.readouterr().out
@@ -62,14 +68,7 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_demo_with_fp8_all_to_alls_tracks_the_reference(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     """``--wire``: a fourth run, its all_to_alls in FP8, every loss within WIRE_RTOL of the reference's (and not equal)."""
-    captured: dict[str, Any] = {}
-    real_run_ranks = demo.run_ranks
-
-    def keep_runs(*args: Any, **kwargs: Any) -> Any:
-        captured["runs"] = real_run_ranks(*args, **kwargs)
-        return captured["runs"]
-
-    monkeypatch.setattr(demo, "run_ranks", keep_runs)
+    captured = _keep_runs(monkeypatch)
     assert demo.main(["--world", "2", "--steps", "6", "--wire"]) == 0
     out = capsys.readouterr().out
     assert "FP8 all_to_alls" in out and "OK: the three runs match" in out
