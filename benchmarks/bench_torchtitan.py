@@ -24,6 +24,9 @@ the dispatcher wired to a 1-D ``ep`` mesh:
   one rank the dropless bound ``T * k``; on more, the first step overflows and the
   capacity grows to the group's need, rounded up to 4 significant bits (at most
   1/8 above it), so its blocks carry fewer empty rows than factor 1.25's.
+- ``funcoll exact, fp8 dispatch``: exact mode with DeepEP's formats
+  (docs/wire.md): the token rows dispatched in float8 e4m3 with a scale per 128
+  channels, their gradient and the combine in bfloat16.
 - ``..., compiled``: the layer under ``torch.compile(fullgraph=True)`` (inductor),
   compiled before the timed steps.
 
@@ -75,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import fenced_median, reusing_memory
 
 import funcoll
-from funcoll import testing
+from funcoll import Wire, testing
 
 K, D, F = 2, 256, 256
 EXPERTS = ("grouped", "scale")  # torchtitan's GroupedExperts; a per-feature scale (the dispatch is the step)
@@ -145,6 +148,16 @@ def dispatchers(e: int) -> dict[str, Any]:
             num_experts=e, top_k=K, mode="dropless", capacity_factor=1.25
         ),
         "funcoll dropless 1.0": FuncollTokenDispatcher.Config(num_experts=e, top_k=K, mode="dropless"),
+        # DeepEP's formats (docs/wire.md): the tokens in FP8 (a scale per 128 channels), their
+        # gradient and the combine in bf16
+        "funcoll exact, fp8 dispatch": FuncollTokenDispatcher.Config(
+            num_experts=e,
+            top_k=K,
+            mode="exact",
+            dispatch_wire=Wire(torch.float8_e4m3fn, block=128),
+            dispatch_grad_wire=Wire(torch.bfloat16),
+            combine_wire=Wire(torch.bfloat16),
+        ),
     }
 
 
@@ -181,7 +194,8 @@ def _body(
         for name, cfg in configs.items():
             layer = _layer(world, rank, cfg, mesh, experts)
             methods[name] = (layer, layer)
-            if compile_ and name in ("funcoll exact", "funcoll static"):  # compiled dropless: exact's graph
+            if compile_ and name in ("funcoll exact", "funcoll static", "funcoll exact, fp8 dispatch"):
+                # compiled dropless: exact's graph
                 compiled_layer = _layer(world, rank, cfg, mesh, experts)
                 fn = torch.compile(compiled_layer, fullgraph=True, backend="inductor")
                 _step(fn, compiled_layer, x)  # compile before timing

@@ -3,8 +3,9 @@
 Run: ``python benchmarks/bench_wire.py [--worlds 2 4] [--kib 64 1024 16384] [--rounds 5] [--quick]``
 
 Each rank holds rows of 1024 float32 (``--kib`` of them per rank). For each op,
-``all_gather`` and ``reduce_scatter`` (the qgZ form: an all_to_all of the quantized
-pieces, each decoded and summed in float32), the exact op (the baseline) and the
+``all_gather``, ``reduce_scatter`` (the qgZ form: an all_to_all of the quantized
+pieces, each decoded and summed in float32) and ``all_to_all`` (an equal share of
+the rows to every rank), the exact op (the baseline) and the
 same op with ``wire=`` int8 (block 128), float8 e4m3 (block 128) and bfloat16 run
 in the same process, interleaved over `rounds` rounds of barrier-fenced calls
 (``_timing.fenced_median``), eager and compiled (inductor, ``fullgraph=True``);
@@ -38,6 +39,7 @@ WIRES: dict[str, Wire | None] = {
 OPS: dict[str, Callable[[torch.Tensor, Wire | None], torch.Tensor]] = {
     "all_gather": lambda x, w: funcoll.all_gather(x, wire=w),
     "reduce_scatter": lambda x, w: funcoll.reduce_scatter(x, wire=w),
+    "all_to_all": lambda x, w: funcoll.all_to_all(x, None, 0, 0, wire=w),  # rows of 4 KiB to every rank
 }
 
 

@@ -37,7 +37,7 @@ Families (each one's own script documents its methods):
   step, eager and compiled (aot_eager, inductor, inductor with its overlap
   passes), funcol beside every funcoll op family (the ragged gathers beside the
   padded funcol program: pad, all_gather, cut);
-- ``wire`` (``bench_wire.py``): all_gather and reduce_scatter with ``wire=`` int8,
+- ``wire`` (``bench_wire.py``): all_gather, reduce_scatter and all_to_all with ``wire=`` int8,
   float8 e4m3 (block 128) and bfloat16 against the exact op (the baseline), eager and
   compiled, quantization included, with the bytes one rank sends;
 - ``row_kernels`` (``bench_row_kernels.py``, ``--device cuda`` only, one process):

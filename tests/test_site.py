@@ -13,6 +13,7 @@ import inspect
 import re
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -112,7 +113,9 @@ def test_every_snippet_section_is_shown() -> None:
         text = f.read_text()
         for section in re.findall(r"\[start:(\w+)\]", text):
             body = text.split(f"[start:{section}]\n", 1)[1].split("# --8<-- [end:", 1)[0].strip()
-            written_out = any(f"```python\n{body}\n```" in page for page in pages.values())
+            block = f"```python\n{body}\n```"
+            indented = textwrap.indent(block, "    ", lambda line: True)  # in an admonition
+            written_out = any(block in page or indented in page for page in pages.values())
             assert (rel, section) in included or written_out, f"{rel}:{section} is on no page"
 
 
