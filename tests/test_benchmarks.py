@@ -66,6 +66,7 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
         "torchtitan layer: funcoll static": 0,
         "torchtitan layer: funcoll dropless": 1,
         "torchtitan layer: funcoll dropless 1.0": 1,
+        "torchtitan layer: funcoll exact, fp8 dispatch": 1,
     }
     # torchtitan 0.3.0 runs from torch 2.12 on (run.py skips its layer on 2.11, as test_torchtitan does)
     titan = importlib.util.find_spec("torchtitan") and hasattr(torch.compiler, "_is_non_strict_tracing")
@@ -78,7 +79,7 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     wire = [r for r in data["records"] if r["family"] == "wire"]
     assert {(r["layout"], r["impl"]) for r in wire} == {
         (f"{op}, eager", f)
-        for op in ("all_gather", "reduce_scatter")
+        for op in ("all_gather", "reduce_scatter", "all_to_all")
         for f in ("exact", "int8", "fp8", "bf16")
     }
     # what one rank sends: 8-bit codes and a float32 scale per 128 values, or bf16
@@ -124,6 +125,7 @@ def test_torchtitan_cuda_smoke_run() -> None:
         "funcoll static": 0,
         "funcoll dropless": 1,
         "funcoll dropless 1.0": 1,
+        "funcoll exact, fp8 dispatch": 1,
     }
     assert reads == want, rows
     assert all(float(r[3]) > 0 and float(r[9]) < 2e-2 for r in rows), rows  # bf16 against titan's output
