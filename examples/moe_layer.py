@@ -183,7 +183,8 @@ def run(rank: int, world: int, backend: str = "inductor", wire: str = "exact") -
     drift = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     if wire == "quantized":
         assert drift <= LOSS_RTOL, f"quantized losses {losses} drift {drift:.2%} from the exact {ref_losses}"
-        assert losses != ref_losses, "quantized losses equal the exact ones: nothing was quantized"
+        if world > 1:  # one rank sends nothing: its collectives are exact
+            assert losses != ref_losses, "quantized losses equal the exact ones: nothing was quantized"
     else:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         torch.testing.assert_close(layer.router.detach(), ref["router"][:, mine])

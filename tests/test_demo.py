@@ -7,6 +7,7 @@ its time. One test runs it as a user does under a launcher: ``torchrun -m funcol
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -79,6 +80,9 @@ def test_demo_with_fp8_all_to_alls_tracks_the_reference(monkeypatch: pytest.Monk
         drift = max(abs(a - b) / abs(b) for a, b in zip(q.losses, ref.losses, strict=True))
         assert 0 < drift <= train.WIRE_RTOL, drift
         assert q.comm_calls == r["eager"].comm_calls  # the same collectives, fewer bytes in each
+    # One rank sends nothing, so its quantized run is exact: that passes (not "nothing was quantized").
+    one = {**runs[0], "quantized": dataclasses.replace(runs[0]["quantized"], losses=list(ref.losses))}
+    assert demo.report(train.Config(steps=6, wire=True), 1, "gloo", [one]) == 0
     # A quantized run beyond the tolerance fails the demo.
     runs[0]["quantized"].losses[3] *= 1 + 2 * train.WIRE_RTOL
     assert demo.report(train.Config(steps=6, wire=True), 2, "gloo", runs) == 1
