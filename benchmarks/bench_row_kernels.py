@@ -14,6 +14,13 @@ side by side. For each world size and layout it times, with CUDA events (median 
 - ``cut+bw``: the cut and its backward, which scatters the gradient back to the
   padded layout (autograd's index_add on the torch path, one kernel on the other).
 
+Then, once per dtype (world 1, layout ``own``: a rank encodes its own rows), the two kernels
+of the wire formats (docs/wire.md) on the same `mb` MB of rows:
+
+- ``enc e4m3``/``enc int8``: block maxima, scales and codes, laid out as the bytes
+  the collective moves (float8 e4m3 or int8, one scale per 128 values);
+- ``dec e4m3``/``dec int8``: those bytes back to the rows' dtype.
+
 ``torch`` is funcoll's torch-op path (what runs with ``FUNCOLL_TRITON=0``, and what a
 compiled graph holds before inductor fuses it); ``triton`` is the kernel. The ratio
 column is triton / torch (below 1: the kernel is faster). Both read the sizes from the
@@ -33,7 +40,8 @@ from typing import Any
 
 import torch
 
-from funcoll._collective import _rows
+import funcoll
+from funcoll._collective import _quantized, _rows
 
 ROW = 1024
 
@@ -84,6 +92,17 @@ def _moves(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> dict[str,
     }
 
 
+def _codecs(total_rows: int, dtype: torch.dtype, dev: torch.device) -> dict[str, Callable[[], object]]:
+    x = torch.randn(total_rows, ROW, device=dev).to(dtype)
+    moves: dict[str, Callable[[], object]] = {}
+    for name, fmt in (("e4m3", torch.float8_e4m3fn), ("int8", torch.int8)):
+        wire = funcoll.Wire(fmt, block=128)
+        b = _quantized._encode(x, wire, lead=1)
+        moves[f"enc {name}"] = lambda x=x, wire=wire: _quantized._encode(x, wire, lead=1)
+        moves[f"dec {name}"] = lambda b=b, wire=wire: _quantized._decode(b, wire, x.shape[1:], dtype)
+    return moves
+
+
 def measure(
     worlds: list[int], mb: float, iters: int, dtypes: tuple[torch.dtype, ...]
 ) -> list[dict[str, Any]]:
@@ -101,6 +120,11 @@ def measure(
                         "world": world, "layout": layout, "dtype": str(dtype)[6:], "move": name,
                         "torch_ms": _time_ms(_with("0", fn), iters), "triton_ms": _time_ms(_with("auto", fn), iters),
                     })  # fmt: skip
+        for name, fn in _codecs(total_rows, dtype, torch.device("cuda")).items():
+            rows.append({
+                "world": 1, "layout": "own", "dtype": str(dtype)[6:], "move": name,
+                "torch_ms": _time_ms(_with("0", fn), iters), "triton_ms": _time_ms(_with("auto", fn), iters),
+            })  # fmt: skip
     return rows
 
 
@@ -112,10 +136,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure(args.worlds, args.mb, args.iters, (torch.float32, torch.bfloat16))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; median ms of {args.iters}")
-    print(f"{'world':>5} {'layout':>7} {'dtype':>9} {'move':>7} {'torch':>8} {'triton':>8} {'ratio':>6}")
+    print(f"{'world':>5} {'layout':>7} {'dtype':>9} {'move':>8} {'torch':>8} {'triton':>8} {'ratio':>6}")
     for r in rows:
         print(
-            f"{r['world']:>5} {r['layout']:>7} {r['dtype']:>9} {r['move']:>7} "
+            f"{r['world']:>5} {r['layout']:>7} {r['dtype']:>9} {r['move']:>8} "
             f"{r['torch_ms']:8.3f} {r['triton_ms']:8.3f} {r['triton_ms'] / r['torch_ms']:6.2f}"
         )
 

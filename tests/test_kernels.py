@@ -16,6 +16,7 @@ the multi-rank ones (gloo, CPU tensors) stay interpreted.
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import prod
 from typing import Any
 
 import pytest
@@ -24,15 +25,17 @@ from _inputs import environ, seeded
 from torch import Tensor
 
 import funcoll
+from funcoll._base._quant import decode, encode
 from funcoll._collective._rows import pack_reference
 from funcoll.testing import run_ranks
 
 pytest.importorskip("triton")
 
 TIMEOUT_S = 180.0
-F32, F64, BF16, I64, BOOL, C64, U8 = (
-    torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.uint8,
+F32, F64, BF16, F16, I64, BOOL, C64, U8 = (
+    torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8,
 )  # fmt: skip
+I8, E4M3, E5M2 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def run_with_kernels(fn: Callable[..., Any], world: int, interpret: bool) -> list[Any]:
@@ -99,6 +102,35 @@ def unit_blocks(case: tuple, device: torch.device) -> Tensor:
     return t
 
 
+# (id, format, block, dtype, row shape, rows, padded rows or None). Values span 12
+# decades, so blocks hold float8 subnormals, values an int8 code rounds to 0, and
+# whole blocks of zeros; "nonfinite" cases hold an inf, a -inf and a NaN.
+WIRE_UNIT = [
+    ("int8-b4-f32-row9", I8, 4, F32, (9,), 3, None),
+    ("e4m3-b3-bf16-row2x7-padded", E4M3, 3, BF16, (2, 7), 2, 4),
+    ("e5m2-whole-f64-row5", E5M2, None, F64, (5,), 3, None),
+    ("e4m3-b4-f16-row8-nonfinite", E4M3, 4, F16, (8,), 3, None),
+    ("e5m2-b4-f32-row8-nonfinite", E5M2, 4, F32, (8,), 2, None),
+    ("int8-b2-f32-scalar-rows", I8, 2, F32, (), 4, None),
+    ("int8-whole-f32-row600-three-steps", I8, None, F32, (600,), 1, None),  # a loop of CHUNK-value steps
+    ("e4m3-b128-f32-row300-partial", E4M3, 128, F32, (300,), 2, None),
+    ("e5m2-b4-f32-no-rows-padded", E5M2, 4, F32, (6,), 0, 2),
+    ("int8-b4-f32-empty-rows", I8, 4, F32, (3, 0), 2, None),
+]
+
+
+def wire_x(case: tuple) -> Tensor:
+    cid, _, _, dtype, row, rows, _ = case
+    x = seeded((rows, *row), F64, cid) * 10.0 ** seeded((rows, *row), F64, cid, "e").mul(3).round().clamp(
+        -8, 4
+    )
+    flat = x.view(-1)
+    flat[: min(4, flat.numel())] = 0.0  # an all-zero block (the first, for blocks up to 4)
+    if "nonfinite" in cid:
+        flat[5], flat[9], flat[-1] = float("inf"), float("nan"), float("-inf")
+    return x.to(dtype)
+
+
 def _run_unit(rank: int, world: int) -> dict[str, Any]:
     device = _device()
     from funcoll._collective import _kernels
@@ -118,6 +150,12 @@ def _run_unit(rank: int, world: int) -> dict[str, Any]:
             "pad": _kernels.pad_rows(blocks[: sizes[0]], bound + 2).cpu(),
             "pad_empty": _kernels.pad_rows(blocks[:0], 3).cpu(),
         }
+    for case in WIRE_UNIT:
+        cid, fmt, block, dtype, row, _, n_out = case
+        wire, x = funcoll.Wire(fmt, block=block), wire_x(case).to(device)
+        b = _kernels.encode_rows(x, wire, lead=1, n_out=n_out)
+        out[cid] = {"bytes": b.cpu(), "values": _kernels.decode_rows(b, wire, row, dtype).cpu()}
+        out[cid]["whole"] = _kernels.encode_rows(x, wire).cpu()  # lead 0: x as one tensor
     return out
 
 
@@ -146,6 +184,30 @@ def test_kernels_match_row_by_row_references(case: tuple, unit_results: dict[str
     sz = torch.tensor(sizes)
     assert torch.equal(got["pack_cut"], pack_reference(blocks, sz, bound, sum(sizes), exact=True))
     assert torch.equal(got["pack_full"], pack_reference(blocks, sz, bound, blocks.shape[0]))
+
+
+@pytest.mark.parametrize("case", WIRE_UNIT, ids=lambda c: c[0])
+def test_wire_kernels_match_the_torch_encoding(case: tuple, unit_results: dict[str, Any]) -> None:
+    """encode_rows and decode_rows against ``_quant.encode`` and ``decode`` (which test_wire
+    bounds against float64): the same bytes, the same values, bit for bit. A block with an
+    inf or a NaN decodes as all NaN either way; its codes are not compared (the torch ops
+    keep a NaN's code, the kernel writes 0)."""
+    cid, fmt, block, dtype, row, rows, n_out = case
+    wire, x = funcoll.Wire(fmt, block=block), wire_x(case)
+    got = unit_results[cid]
+    want = encode(x, wire, lead=1)
+    if n_out is not None:
+        want = torch.cat([want, want.new_zeros(n_out - rows, want.shape[1])])
+    values = decode(want, wire, row, dtype)
+    torch.testing.assert_close(got["values"], values, rtol=0, atol=0, equal_nan=True)
+    finite = x.reshape(rows, prod(row)).isfinite().all(1)
+    finite = torch.cat([finite, finite.new_ones(got["bytes"].shape[0] - rows)])
+    assert got["bytes"].shape == want.shape and torch.equal(got["bytes"][finite], want[finite]), cid
+    if finite.all():
+        assert torch.equal(got["whole"], encode(x, wire)), cid
+    if "nonfinite" in cid:  # the blocks with an inf or a NaN, and only those, are NaN
+        bad = ~x.float().reshape(rows, -1, block).isfinite().all(-1, keepdim=True)
+        assert torch.equal(values.reshape(rows, -1, block).isnan(), bad.expand(-1, -1, block)), cid
 
 
 @pytest.mark.parametrize("case", UNIT, ids=lambda c: c[0])
@@ -194,12 +256,12 @@ def _weight(rank: int, shape: torch.Size) -> Tensor:
 def _run_ops(rank: int, world: int) -> dict[str, Any]:
     from funcoll._collective import _kernels
 
-    calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0}
+    calls = {"pad_rows": 0, "pack_rows": 0, "unpack_rows": 0, "encode_rows": 0, "decode_rows": 0}
 
     def spy(name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        def counted(*args: Any) -> Tensor:
+        def counted(*args: Any, **kwargs: Any) -> Tensor:
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return counted
 
@@ -233,8 +295,49 @@ def _run_ops(rank: int, world: int) -> dict[str, Any]:
     y2, recv = funcoll.all_to_all_padded(x2, torch.tensor(_sends(rank, world)))
     (y2 * _weight(rank, y2.shape)).sum().backward()
     out["all_to_all_padded"] = (y2.detach(), x2.grad, recv)
+
+    xq = _rows(rank, lengths[rank]).requires_grad_()  # int8 there, float8 back: 2 encodes, 2 decodes
+    yq = funcoll.gather(xq, strategy="pad", wire=GATHER_WIRE, grad_wire=GATHER_GRAD_WIRE)
+    (yq * _weight(rank, yq.shape)).sum().backward()
+    out["gather-pad-wire"] = (yq.detach(), xq.grad)
+
+    x3 = _rows(rank, sum(_sends(rank, world))).requires_grad_()  # float8 there, bfloat16 back (a cast)
+    y3, _ = funcoll.all_to_all_v(x3, _sends(rank, world), wire=A2A_WIRE, grad_wire=funcoll.Wire(BF16))
+    (y3 * _weight(rank, y3.shape)).sum().backward()
+    out["all_to_all_v-wire"] = (y3.detach(), x3.grad)
     out["calls"] = calls
     return out
+
+
+GATHER_WIRE, GATHER_GRAD_WIRE = funcoll.Wire(I8, block=2), funcoll.Wire(E4M3, block=2)
+A2A_WIRE = funcoll.Wire(E5M2, block=2)
+
+
+def _through(t: Tensor, wire: funcoll.Wire) -> Tensor:
+    """`t`'s rows as they arrive in `wire`: the torch encoding, which test_wire bounds against float64."""
+    return decode(encode(t, wire, lead=1), wire, t.shape[1:], t.dtype)
+
+
+def _wire_reference(world: int) -> dict[str, Any]:
+    """The quantized ops' results and gradients, from the torch encoding of each rank's rows."""
+    lengths = _lengths(world)
+    offs = [sum(lengths[:r]) for r in range(world)]
+    y = torch.cat([_through(_rows(r, n), GATHER_WIRE) for r, n in enumerate(lengths)])
+    # Rank r's gradient: every rank j's weight rows for r, each through the format, summed in rank order.
+    pieces = [_through(_weight(j, y.shape), GATHER_GRAD_WIRE) for j in range(world)]
+    grads = [torch.stack([p[o : o + n] for p in pieces]).sum(0) for o, n in zip(offs, lengths, strict=True)]
+    xs = [_rows(r, sum(_sends(r, world))) for r in range(world)]
+    start = [[sum(_sends(r, world)[:j]) for j in range(world)] for r in range(world)]
+    ys, g3 = [], [torch.empty_like(x) for x in xs]
+    for j in range(world):  # rank j gets rank i's rows for j, in rank order; sends back bf16 gradients
+        rows = [xs[i][start[i][j] : start[i][j] + _sends(i, world)[j]] for i in range(world)]
+        ys.append(_through(torch.cat(rows), A2A_WIRE))
+        w = _weight(j, ys[j].shape).to(BF16).to(F64)
+        off = 0
+        for i, r in enumerate(rows):
+            g3[i][start[i][j] : start[i][j] + r.shape[0]] = w[off : off + r.shape[0]]
+            off += r.shape[0]
+    return {"gather-pad-wire": (y, grads), "all_to_all_v-wire": (ys, g3)}
 
 
 def _reference(world: int) -> dict[str, Any]:
@@ -278,7 +381,7 @@ def _reference(world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 3])  # an even and an odd world; each rank a spawned process
 def test_ops_on_the_kernels_match_references(world: int) -> None:
     results = run_with_kernels(_run_ops, world, interpret=True)  # gloo: CPU tensors
-    ref = _reference(world)
+    ref, wref = _reference(world), _wire_reference(world)
     for rank, res in enumerate(results):
         for name in ("gather-pad", "all_gather_ragged-pad-dim1", "gather-pad-bool"):
             y, grad = res[name]
@@ -295,7 +398,18 @@ def test_ops_on_the_kernels_match_references(world: int) -> None:
         ys2, grads2, recvs = ref["all_to_all_padded"]
         assert torch.equal(y2, ys2[rank]) and torch.equal(recv, recvs[rank]), rank
         torch.testing.assert_close(g2, grads2[rank], rtol=1e-12, atol=1e-12)
-        # Every gather padded (3 pads), cut (3 packs, and one each in the two static
-        # ops), and the backward of the float ones scattered back (2 unpacks, and one
-        # each in the static ops).
-        assert res["calls"] == {"pad_rows": 3, "pack_rows": 5, "unpack_rows": 4}, (rank, res["calls"])
+        yq, gq = res["gather-pad-wire"]
+        assert torch.equal(yq, wref["gather-pad-wire"][0]), rank
+        torch.testing.assert_close(gq, wref["gather-pad-wire"][1][rank], rtol=1e-12, atol=1e-12)
+        y3, g3 = res["all_to_all_v-wire"]
+        assert torch.equal(y3, wref["all_to_all_v-wire"][0][rank]), rank
+        assert torch.equal(g3, wref["all_to_all_v-wire"][1][rank]), rank
+        # Every gather padded (3 pads, and the quantized one's bytes), cut (3 packs, the
+        # quantized one's, and one each in the two static ops), and the backward of the
+        # float ones scattered back (2 unpacks, and one each in the static ops; the
+        # quantized gather's goes by all_to_all). The quantized gather encodes and
+        # decodes its rows and its gradient, all_to_all_v its rows (the bf16 gradient
+        # is a cast).
+        assert res["calls"] == {
+            "pad_rows": 4, "pack_rows": 6, "unpack_rows": 4, "encode_rows": 3, "decode_rows": 3,
+        }, (rank, res["calls"])  # fmt: skip

@@ -25,7 +25,7 @@ from torch import Tensor
 import funcoll
 import funcoll.testing
 from funcoll import Wire
-from funcoll._base._quant import _SCALED, ROUNDING, decode, encode
+from funcoll._base._quant import ROUNDING, SCALED, decode, encode
 
 WORLDS = (1, 2, 3, 4)
 TIMEOUT_S = 240.0
@@ -393,7 +393,7 @@ def bound(v: Tensor, wire: Wire | None) -> Tensor:
     nb = -(-last // width) if last else 0
     amax = torch.zeros(*t.shape[:-1], nb, dtype=torch.float64)
     amax = amax.scatter_reduce(-1, block_of.expand(t.shape), t.abs(), "amax")
-    scale = (amax / _SCALED[wire.dtype])[..., block_of]
+    scale = (amax / SCALED[wire.dtype])[..., block_of]
     # float32 slack: the scale and the division run in float32
     return (rel * t.abs() + ab * scale + 2.0**-20 * (t.abs() + scale)).reshape(v.shape)
 

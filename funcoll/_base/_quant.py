@@ -30,7 +30,7 @@ from ._sym import prod
 __all__ = ["Wire"]
 
 # The formats with a scale per block, and the largest code of each.
-_SCALED = {
+SCALED = {
     torch.float8_e4m3fn: 448.0,
     torch.float8_e5m2: 57344.0,
     torch.int8: 127.0,
@@ -70,9 +70,9 @@ class Wire:
     block: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _SCALED and self.dtype not in _CASTS:
+        if self.dtype not in SCALED and self.dtype not in _CASTS:
             raise ValueError(
-                f"funcoll.Wire: `dtype`={self.dtype} is not a wire format; use one of {[*_SCALED, *_CASTS]}"
+                f"funcoll.Wire: `dtype`={self.dtype} is not a wire format; use one of {[*SCALED, *_CASTS]}"
             )
         if self.block is not None:
             if (
@@ -92,7 +92,7 @@ class Wire:
     @property
     def scaled(self) -> bool:
         """Whether the format carries a scale per block (the 8-bit formats)."""
-        return self.dtype in _SCALED
+        return self.dtype in SCALED
 
     def nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         """The bytes :func:`encode` makes of a tensor of `shape`."""
@@ -157,7 +157,7 @@ def encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
     # The blocks' absolute maxima (inf and NaN propagate). Not linalg.vector_norm(inf), one
     # pass eager: its meta refuses a tensor with no element (a rank with no rows), compiled.
     amax = v.abs().amax(-1, keepdim=True) if width else v.new_zeros(*v.shape[:-1], 1)
-    fmax = _SCALED[wire.dtype]
+    fmax = SCALED[wire.dtype]
     # A block with an inf or a NaN: a NaN scale, so that it decodes as all NaN; an all-zero
     # block: scale 0, codes 0 (divided by 1).
     scale = torch.where(torch.isfinite(amax), amax / fmax, torch.nan)
@@ -200,7 +200,7 @@ def decode(b: Tensor, wire: Wire, shape: torch.Size | tuple[int, ...], dtype: to
 
 
 # A format's code in a header: 0 for None, else its dtype's place (from 1) plus 8 * its block.
-_DTYPES = (*_SCALED, *_CASTS)
+_DTYPES = (*SCALED, *_CASTS)
 
 
 def wire_code(wire: Wire | None) -> int:

@@ -6,6 +6,11 @@ is decoded to the input's dtype where it lands. A reduction never runs on codes:
 reduce-scatter is an all_to_all of every rank's quantized pieces, each decoded and
 then reduced in the input's dtype (ZeRO++'s qgZ), never summed in 8 bits.
 
+In eager code on CUDA (see :func:`~funcoll._collective._rows.row_kernels`) the
+encoding and the decoding are one Triton launch each (``_kernels.encode_rows`` and
+``decode_rows``), the same bytes and values as the torch ops, which a compiled
+graph keeps (inductor fuses them with the producer and the consumer).
+
 The backward is the adjoint in the format the caller chose for the gradient (None:
 the exact collective). The forward's rounding counts as the identity
 (straight-through): the gradient of a decoded value is passed to its input as is.
@@ -33,6 +38,7 @@ from ._prims import (
     reduce_scatter_v_p,
     scale_for_op,
 )
+from ._rows import row_kernels
 
 # How the pieces a rank receives are reduced once decoded; avg is sum / world.
 _REDUCE = {
@@ -42,6 +48,22 @@ _REDUCE = {
     "min": lambda t: t.amin(0),
     "product": lambda t: t.prod(0),
 }
+
+
+def _encode(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
+    """:func:`~funcoll._base._quant.encode`; one Triton launch in eager CUDA code."""
+    kernels = row_kernels(x)
+    if kernels is not None and kernels.takes_wire(wire, x.dtype):
+        return kernels.encode_rows(x, wire, lead)
+    return encode(x, wire, lead)
+
+
+def _decode(b: Tensor, wire: Wire, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """:func:`~funcoll._base._quant.decode`; one Triton launch in eager CUDA code."""
+    kernels = row_kernels(b)
+    if kernels is not None and kernels.takes_wire(wire, dtype):
+        return kernels.decode_rows(b, wire, tuple(shape), dtype)
+    return decode(b, wire, shape, dtype)
 
 
 def _own(y: Tensor) -> Tensor:
@@ -57,8 +79,8 @@ def _gather(x: Tensor, wire: Wire | None, group_name: str, world: int) -> Tensor
     """``(*S) -> (world, *S)``: every rank's `x`, sent as `wire`'s bytes (None: as is) in one all_gather."""
     if wire is None:
         return all_gather_impl(x.reshape(1, -1), group_name, world).view(world, *x.shape)
-    got = all_gather_impl(encode(x, wire), group_name, world)  # (world * B,)
-    return _own(decode(got.view(world, -1), wire, x.shape, x.dtype))
+    got = all_gather_impl(_encode(x, wire), group_name, world)  # (world * B,)
+    return _own(_decode(got.view(world, -1), wire, x.shape, x.dtype))
 
 
 def _scatter_reduce(x: Tensor, wire: Wire | None, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -69,10 +91,10 @@ def _scatter_reduce(x: Tensor, wire: Wire | None, reduce_op: str, group_name: st
     """
     if wire is None:
         return reduce_scatter_impl(x.reshape(world, -1), reduce_op, group_name, world).view(x.shape[1:])
-    sent = encode(x, wire, lead=1)  # (world, B): each piece with its own scales
+    sent = _encode(x, wire, lead=1)  # (world, B): each piece with its own scales
     nbytes = sent.shape[1]
     got = all_to_all_impl(sent.reshape(-1), [nbytes] * world, [nbytes] * world, group_name)
-    return _REDUCE[reduce_op](decode(got.view(world, -1), wire, x.shape[1:], x.dtype))
+    return _REDUCE[reduce_op](_decode(got.view(world, -1), wire, x.shape[1:], x.dtype))
 
 
 class _AllGather(torch.autograd.Function):
@@ -129,8 +151,8 @@ def _rows(x: Tensor, wire: Wire | None, recv: list[IntLike], send: list[IntLike]
     """``(n, *R) -> (m, *R)``: ``send[j]`` rows to rank j, ``recv[i]`` from rank i, each row encoded on its own."""
     if wire is None:
         return all_to_all_impl(x, recv, send, group_name)
-    got = all_to_all_impl(encode(x, wire, lead=1), recv, send, group_name)  # (m, B): a row's bytes
-    return _own(decode(got, wire, x.shape[1:], x.dtype))
+    got = all_to_all_impl(_encode(x, wire, lead=1), recv, send, group_name)  # (m, B): a row's bytes
+    return _own(_decode(got, wire, x.shape[1:], x.dtype))
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -199,8 +221,8 @@ class _GatherRows(torch.autograd.Function):
         ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
         if wire is None:  # exact rows (only the gradient is quantized)
             return _own(gather_rows(x, sizes, strategy, group_name, world, rank, stats))
-        got = gather_rows(encode(x, wire, lead=1), sizes, strategy, group_name, world, rank, stats)
-        return _own(decode(got, wire, x.shape[1:], x.dtype))
+        got = gather_rows(_encode(x, wire, lead=1), sizes, strategy, group_name, world, rank, stats)
+        return _own(_decode(got, wire, x.shape[1:], x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -228,8 +250,8 @@ class _ScatterRows(torch.autograd.Function):
         ctx.group_name, ctx.world, ctx.rank = group_name, world, rank
         ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
         mine = sizes[rank]
-        got = all_to_all_impl(encode(x, wire, lead=1), [mine] * world, list(sizes), group_name)
-        return decode(got, wire, x.shape[1:], x.dtype).unflatten(0, (world, mine)).sum(0)
+        got = all_to_all_impl(_encode(x, wire, lead=1), [mine] * world, list(sizes), group_name)
+        return _decode(got, wire, x.shape[1:], x.dtype).unflatten(0, (world, mine)).sum(0)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
