@@ -81,6 +81,18 @@ INDUCTOR_CASES = (
     "gather_padded-x4x5-dim0",
     "all_to_all_padded-xw3x5-dim0",
 )
+# Even ops whose graph is the same on every rank (one shape, no rank in the graph), so that
+# every rank issues the same collectives by construction, and whose inductor runs are
+# test_fullgraph's (against eager and the reference): not compiled on inductor here (suite time).
+INDUCTOR_ELSEWHERE = (
+    "all_gather-x3x5-dim0",
+    "all_gather-x3x5-dim1-noncontig",
+    "all_gather-untiled-x3x5-dim1",
+    "all_gather-x3x5-dim0-wire-int8",
+    "reduce_scatter-x2wx5-dim0",
+    "reduce_scatter-x2wx5-dim0-wire-bf16",
+    "all_reduce-x3x5",
+)
 # Dropless mode compiles as one of these (moe.Dropless runs the static graph, then exact on an overflow).
 MOE_MODES = ("exact", "static")
 TIMEOUT = 900.0
@@ -217,11 +229,13 @@ def _keys(world: int) -> list[str]:
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
     # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
     # op at 2 ranks (one of them with 0 rows); at 3 the ops whose backward builds its send
-    # buffers, where a third rank adds a nonzero length. Inductor's overlap passes: these
+    # buffers, where a third rank adds a nonzero length (neither: INDUCTOR_ELSEWHERE). Inductor's overlap passes: these
     # and the send-buffer ones at 2 ranks (at 3, the MoE and pair steps below).
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
     keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ)]
-    keys += [f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES)]
+    keys += [
+        f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES) if cid not in INDUCTOR_ELSEWHERE
+    ]
     keys += [
         f"inductor-overlap|{cid}" for cid in ops if world == 2 and (cid in differ or cid in INDUCTOR_CASES)
     ]
@@ -345,6 +359,14 @@ def _checked_mismatch(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def test_the_ops_left_out_on_inductor_hold_one_shape_and_compile_on_inductor_in_test_fullgraph() -> None:
+    from test_fullgraph import _every_way  # compile_tests/, beside this file
+
+    for cid in INDUCTOR_ELSEWHERE:
+        case = CASES_BY_ID[cid]
+        assert not _shapes_differ(case, 2) and _every_way(case), cid
 
 
 def test_checks_turn_a_mismatch_into_the_same_error_on_every_rank() -> None:

@@ -18,6 +18,8 @@ import funcoll
 from funcoll import _demo_train as train
 from funcoll import demo
 
+STEPS = 6  # the quantized run's drift shows from the second step on
+
 
 def _keep_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Make the demo's run_ranks also keep what the ranks returned, under "runs"."""
@@ -32,22 +34,28 @@ def _keep_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return captured
 
 
-def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    """4 steps on 2 ranks: exit 0, agreement with the reference, 0 graph breaks, 1 compile per rank."""
+def test_demo_trains_three_ways_in_agreement_and_fp8_tracks_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """6 steps on 2 ranks with ``--wire``: exit 0, agreement with the reference, 0 graph breaks, 1 compile
+    per rank; and the fourth run, its all_to_alls in FP8, every loss within WIRE_RTOL of the reference's
+    (and not equal). One demo run for both (suite time): ``--wire`` adds the fourth run and changes
+    nothing of the three."""
     captured = _keep_runs(monkeypatch)
     with funcoll.set_checks(False):  # as a user runs it: the counts below are those without checks
-        assert demo.main(["--world", "2", "--steps", "4"]) == 0
+        assert demo.main(["--world", "2", "--steps", str(STEPS), "--wire"]) == 0
     out = capsys.readouterr().out
     assert "OK: the three runs match the single-process reference" in out
+    assert "FP8 all_to_alls" in out
     (compiled,) = [
         line.split() for line in out.splitlines() if line.startswith("  funcoll compiled (aot_eager)")
     ]
     assert compiled[5:7] == ["0/0", "1/1"], compiled  # graph breaks, compiles per rank
 
     runs = captured["runs"]
-    assert len(runs) == 2 and all(set(r) == set(train.MODES) for r in runs)
+    assert len(runs) == 2 and all(set(r) == {*train.MODES, "quantized"} for r in runs)
     for r in runs:
-        assert [len(r[m].losses) for m in train.MODES] == [4, 4, 4]
+        assert [len(r[m].losses) for m in train.MODES] == [STEPS] * 3
         assert all(math.isfinite(x) for m in train.MODES for x in r[m].losses)
         # The counts the table shows. Seed-style: a size exchange (an all_gather and one .item() per rank)
         # for the document ids, each block's attention and the loss, the two padded gathers, 4 all_to_alls
@@ -61,20 +69,7 @@ def test_demo_trains_three_ways_in_agreement(monkeypatch: pytest.MonkeyPatch, ca
         for mode in ("eager", "compiled"):
             assert (r[mode].comm_calls, r[mode].host_reads) == (2 + 4 * train.LAYERS + 2 + 1, 1), mode
 
-    # A run that drifts from the reference by more than the tolerance fails the demo.
-    runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
-    assert demo.report(train.Config(steps=4), 2, "gloo", runs) == 1
-    assert "MISMATCH" in capsys.readouterr().out
-
-
-def test_demo_with_fp8_all_to_alls_tracks_the_reference(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    """``--wire``: a fourth run, its all_to_alls in FP8, every loss within WIRE_RTOL of the reference's (and not equal)."""
-    captured = _keep_runs(monkeypatch)
-    assert demo.main(["--world", "2", "--steps", "6", "--wire"]) == 0
-    out = capsys.readouterr().out
-    assert "FP8 all_to_alls" in out and "OK: the three runs match" in out
-    runs = captured["runs"]
-    ref = train.reference(train.Config(steps=6), show=False)
+    ref = train.reference(train.Config(steps=STEPS), show=False)
     for r in runs:
         q = r["quantized"]
         drift = max(abs(a - b) / abs(b) for a, b in zip(q.losses, ref.losses, strict=True))
@@ -82,10 +77,16 @@ def test_demo_with_fp8_all_to_alls_tracks_the_reference(monkeypatch: pytest.Monk
         assert q.comm_calls == r["eager"].comm_calls  # the same collectives, fewer bytes in each
     # One rank sends nothing, so its quantized run is exact: that passes (not "nothing was quantized").
     one = {**runs[0], "quantized": dataclasses.replace(runs[0]["quantized"], losses=list(ref.losses))}
-    assert demo.report(train.Config(steps=6, wire=True), 1, "gloo", [one]) == 0
+    assert demo.report(train.Config(steps=STEPS, wire=True), 1, "gloo", [one]) == 0
     # A quantized run beyond the tolerance fails the demo.
+    saved = list(runs[0]["quantized"].losses)
     runs[0]["quantized"].losses[3] *= 1 + 2 * train.WIRE_RTOL
-    assert demo.report(train.Config(steps=6, wire=True), 2, "gloo", runs) == 1
+    assert demo.report(train.Config(steps=STEPS, wire=True), 2, "gloo", runs) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    runs[0]["quantized"].losses[:] = saved
+    # A run that drifts from the reference by more than the tolerance fails the demo.
+    runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
+    assert demo.report(train.Config(steps=STEPS, wire=True), 2, "gloo", runs) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
