@@ -256,17 +256,16 @@ def _value(
 
 @triton.jit
 def _encode_kernel(
-    src, scales, codes, n_src, nsub, last, width, nb, row_floats, row_bytes, code_start, fmax,
+    src, scales, codes, nsub, last, width, nb, row_floats, row_bytes, code_start, fmax,
     KIND: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, STEP: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One block of one line (``row, sub``) of the output: its scale, its codes, and after the
-    row's last block the row's zero padding. Rows from `n_src` on are zeros (a padded layout)."""
+    row's last block the row's zero padding."""
     pid = tl.program_id(0).to(tl.int64)
     line = pid // nb
     b = pid - line * nb
     row = line // nsub
     s = line - row * nsub
-    valid = row + tl.zeros((CHUNK,), tl.int64) < n_src  # a vector: the interpreter takes no 0-d mask
     start = b * width
     span = tl.minimum(width, last - start)  # the last block may be partial
     offs = tl.arange(0, CHUNK)
@@ -274,7 +273,7 @@ def _encode_kernel(
     amax = tl.zeros((CHUNK,), tl.float32)
     bad = tl.zeros((CHUNK,), tl.int32)
     for c in range(0, span, CHUNK):
-        m = (c + offs < span) & valid
+        m = c + offs < span
         a = tl.abs(tl.load(src_line + c + offs, mask=m, other=0).to(tl.float32))
         bad += (~(a <= 3.4028234663852886e38) & m).to(tl.int32)  # inf or NaN
         amax = tl.maximum(amax, a)
@@ -284,7 +283,7 @@ def _encode_kernel(
     tl.store(scales + row * row_floats + s * nb + b, scale)
     dst_line = codes + row * row_bytes + code_start + s * last + start
     for c in range(0, span, CHUNK):
-        m = (c + offs < span) & valid
+        m = c + offs < span
         v = tl.load(src_line + c + offs, mask=m, other=0).to(tl.float32)
         # Clamped (float8 has no inf); a NaN as 0: its block's NaN scale decodes it as NaN.
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, divisor), -fmax), fmax)
@@ -339,26 +338,21 @@ def _format_meta(wire: Wire, width: int) -> dict[str, int]:
     return {"KIND": kind, "MBITS": mbits, "EMIN": emin, "BIAS": bias, "STEP": step, "CHUNK": chunk}
 
 
-def encode_rows(x: Tensor, wire: Wire, lead: int = 0, n_out: int | None = None) -> Tensor:
-    """:func:`~funcoll._base._quant.encode` in one launch: ``(*L, *R) -> (*L, B)`` uint8, `L` the first `lead` dims.
-
-    With `n_out` (``lead == 1``): ``n_out >= x.shape[0]`` rows, those past x's zero.
-    """
+def encode_rows(x: Tensor, wire: Wire, lead: int = 0) -> Tensor:
+    """:func:`~funcoll._base._quant.encode` in one launch: ``(*L, *R) -> (*L, B)`` uint8, `L` the first `lead` dims."""
     x = wait(x)
     outer, row = tuple(x.shape[:lead]), tuple(x.shape[lead:])
-    n = prod(outer)
-    rows = n if n_out is None else n_out
-    nbytes = wire.nbytes(row)
+    rows, nbytes = prod(outer), wire.nbytes(row)
     out = x.new_empty((rows, nbytes), dtype=torch.uint8)
     nsub, last, width, nb = _lines(row, wire)
     if rows and nbytes and nsub and nb:
         src = x.contiguous().reshape(-1)
         code_start = SCALE_BYTES * nsub * nb
         _encode_kernel[(rows * nsub * nb,)](
-            src, out.view(torch.float32), out, n, nsub, last, width, nb, nbytes // 4, nbytes,
+            src, out.view(torch.float32), out, nsub, last, width, nb, nbytes // 4, nbytes,
             code_start, SCALED[wire.dtype], **_format_meta(wire, width),
         )  # fmt: skip
-    return out.reshape(*outer, nbytes) if n_out is None else out
+    return out.reshape(*outer, nbytes)
 
 
 def decode_rows(b: Tensor, wire: Wire, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
