@@ -255,19 +255,25 @@ def _value(
 
 
 @triton.jit
+def _this_block(nsub, last, width, nb):
+    """This program's block: its line (``row * nsub + sub``), block b of the line, the row, the
+    sub-line, the block's first value in the line and its length (the last block may be partial)."""
+    pid = tl.program_id(0).to(tl.int64)
+    line = pid // nb
+    b = pid - line * nb
+    row = line // nsub
+    start = b * width
+    return line, b, row, line - row * nsub, start, tl.minimum(width, last - start)
+
+
+@triton.jit
 def _encode_kernel(
     src, scales, codes, nsub, last, width, nb, row_floats, row_bytes, code_start, fmax,
     KIND: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, STEP: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One block of one line (``row, sub``) of the output: its scale, its codes, and after the
     row's last block the row's zero padding."""
-    pid = tl.program_id(0).to(tl.int64)
-    line = pid // nb
-    b = pid - line * nb
-    row = line // nsub
-    s = line - row * nsub
-    start = b * width
-    span = tl.minimum(width, last - start)  # the last block may be partial
+    line, b, row, s, start, span = _this_block(nsub, last, width, nb)
     offs = tl.arange(0, CHUNK)
     src_line = src + line * last + start
     amax = tl.zeros((CHUNK,), tl.float32)
@@ -288,9 +294,7 @@ def _encode_kernel(
         # Clamped (float8 has no inf); a NaN as 0: its block's NaN scale decodes it as NaN.
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, divisor), -fmax), fmax)
         q = tl.where(v == v, q, 0.0)
-        tl.store(
-            dst_line + c + offs, _code(q, KIND, MBITS, EMIN, BIAS, STEP).to(tl.uint8), mask=c + offs < span
-        )
+        tl.store(dst_line + c + offs, _code(q, KIND, MBITS, EMIN, BIAS, STEP).to(tl.uint8), mask=m)
     end = code_start + nsub * last  # the row's padding to a multiple of 4 bytes
     limit = tl.where((s == nsub - 1) & (b == nb - 1), row_bytes, 0)  # written by the row's last block
     pad = (end + offs < limit) & (offs < 4)
@@ -304,13 +308,7 @@ def _decode_kernel(
     CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One block of one line of the output: its codes times its scale."""
-    pid = tl.program_id(0).to(tl.int64)
-    line = pid // nb
-    b = pid - line * nb
-    row = line // nsub
-    s = line - row * nsub
-    start = b * width
-    span = tl.minimum(width, last - start)
+    line, b, row, s, start, span = _this_block(nsub, last, width, nb)
     offs = tl.arange(0, CHUNK)
     scale = tl.load(scales + row * row_floats + s * nb + b)
     src_line = codes + row * row_bytes + code_start + s * last + start
