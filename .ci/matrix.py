@@ -18,7 +18,8 @@ compile cases of ``compile_tests/_ops.py`` on aot_eager and inductor, every grou
 form, ``mark_ragged`` with one compile over changing lengths (and the ``min_size``
 fallback where ``mark_unbacked`` has no ``min``), DTensor in and out, ``funcoll.lax``
 and ``shard_map``, ``funcoll.moe`` (and torchtitan's MoE layer with funcoll's dispatcher,
-where torchtitan supports the release); then the demo. Each test lands in one column of
+where torchtitan supports the release), funcoll's Triton kernels under the release's own
+triton's interpreter; then the demo. Each test lands in one column of
 the support table (:data:`AREAS`) by its file and name. The results go to
 ``docs/results/matrix.json``; ``render`` writes the table into docs/support.md
 from them, so the page says what the matrix ran, never what someone typed.
@@ -48,7 +49,11 @@ UNCAPPED = ("2.15.0",)
 # What each release's venv gets beside torch (funcoll's own requirements come with `-e .`),
 # and what it gets without dependencies: torchtitan's model code, as .ci/run installs it
 # for the pinned release (tests/test_torchtitan.py skips before torch 2.12).
-EXTRAS = ("pytest", "hypothesis", "tyro")
+EXTRAS = ("pytest", "hypothesis", "tyro", "numpy")
+# triton's interpreter (tests/test_kernels.py runs the kernels under TRITON_INTERPRET=1) needs
+# numpy; triton 3.6's (torch 2.11's) turns a kernel's scalar arguments into ints by int() of
+# a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted").
+NUMPY = {"2.11.0": "numpy<2.4"}
 NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
 
 # The smoke run: whole files, so that the pinned release's row (read from the whole
@@ -72,6 +77,7 @@ SMOKE = (
     "tests/test_moe.py",
     "compile_tests/test_moe_compile.py",
     "tests/test_torchtitan.py",
+    "tests/test_kernels.py",
 )
 # Column -> (files, a pattern on the test's name that puts it there, or None for any).
 # The first column that takes a test has it; "inductor" comes first so that the
@@ -95,9 +101,10 @@ AREAS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "DTensor": (("tests/test_dtensor.py", "compile_tests/test_dtensor_compile.py"), None),
     "lax / shard_map": (("tests/test_lax.py", "compile_tests/test_lax_compile.py"), None),
     "moe": (("tests/test_moe.py", "compile_tests/test_moe_compile.py", "tests/test_torchtitan.py"), None),
+    "Triton kernels": (("tests/test_kernels.py",), None),
 }  # fmt: skip
 # The columns in the order the page shows them.
-COLUMNS = ("eager", "compiled (aot_eager)", "inductor", "DTensor", "lax / shard_map", "moe")
+COLUMNS = ("eager", "compiled (aot_eager)", "inductor", "DTensor", "lax / shard_map", "moe", "Triton kernels")
 
 
 def venv_python(release: str) -> Path:
@@ -125,9 +132,14 @@ def _torch_version(python: Path) -> str | None:
     return out.stdout.strip().split("+")[0] if out.returncode == 0 else None
 
 
+def _extras(release: str) -> tuple[str, ...]:
+    """EXTRAS as `release`'s venv takes them (its numpy: :data:`NUMPY`)."""
+    return tuple(NUMPY.get(release, e) if e == "numpy" else e for e in EXTRAS)
+
+
 def _install_extras(python: Path, release: str) -> None:
     """EXTRAS and NO_DEPS into a release's venv (quick when they are there already)."""
-    for args in (EXTRAS, ("--no-deps", *NO_DEPS)):
+    for args in (_extras(release), ("--no-deps", *NO_DEPS)):
         subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", *args],
             check=True, env=_pip_env(release), stdout=subprocess.DEVNULL,
@@ -147,7 +159,7 @@ def install(release: str) -> str:
     log = CACHE / f"install-{release}.log"
     with log.open("w") as f:
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", f"torch=={release}", *EXTRAS],
+            [str(python), "-m", "pip", "install", "--quiet", f"torch=={release}", *_extras(release)],
             check=True, stdout=f, stderr=subprocess.STDOUT, env=_pip_env(release),
         )  # fmt: skip
     _install_extras(python, release)
