@@ -30,7 +30,8 @@ from funcoll._collective._rows import pack_reference
 from funcoll.testing import run_ranks
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available():  # the children run the kernels under triton's interpreter, which needs numpy
+# Without a GPU the children run the kernels under triton's interpreter, which needs numpy.
+if not torch.cuda.is_available():
     pytest.importorskip("numpy", reason="triton's interpreter (TRITON_INTERPRET=1) needs numpy")
 
 TIMEOUT_S = 180.0
