@@ -49,10 +49,11 @@ UNCAPPED = ("2.15.0",)
 # What each release's venv gets beside torch (funcoll's own requirements come with `-e .`),
 # and what it gets without dependencies: torchtitan's model code, as .ci/run installs it
 # for the pinned release (tests/test_torchtitan.py skips before torch 2.12).
-EXTRAS = ("pytest", "hypothesis", "tyro", "numpy")
-# triton's interpreter (tests/test_kernels.py runs the kernels under TRITON_INTERPRET=1) needs
-# numpy; triton 3.6's (torch 2.11's) turns a kernel's scalar arguments into ints by int() of
-# a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted").
+EXTRAS = ("pytest", "hypothesis", "tyro")
+# And numpy, which triton's interpreter needs (tests/test_kernels.py runs the kernels under
+# TRITON_INTERPRET=1): "numpy", or the release's own requirement here. triton 3.6's (torch
+# 2.11's) interpreter turns a kernel's scalar arguments into ints by int() of a one-element
+# array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted").
 NUMPY = {"2.11.0": "numpy<2.4"}
 NO_DEPS = ("torchtitan==0.3.0", "spmd_types==0.2.3")
 
@@ -133,8 +134,8 @@ def _torch_version(python: Path) -> str | None:
 
 
 def _extras(release: str) -> tuple[str, ...]:
-    """EXTRAS as `release`'s venv takes them (its numpy: :data:`NUMPY`)."""
-    return tuple(NUMPY.get(release, e) if e == "numpy" else e for e in EXTRAS)
+    """EXTRAS and `release`'s numpy (:data:`NUMPY`)."""
+    return (*EXTRAS, NUMPY.get(release, "numpy"))
 
 
 def _install_extras(python: Path, release: str) -> None:
