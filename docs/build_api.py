@@ -32,6 +32,7 @@ SECTIONS = [
         funcoll.testing,
         [
             "run_ranks",
+            "start_ranks",
             "in_flight",
             "settled",
             "launch",

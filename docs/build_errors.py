@@ -50,7 +50,7 @@ BUILDERS = {"refuse", "failed", "_grad_to_dst"}
 
 # (module, function) -> why its `raise` is not read statically. Keep each reason true.
 UNEXTRACTABLE: dict[tuple[str, str], str] = {
-    ("funcoll/testing.py", "run_ranks"): (
+    ("funcoll/testing.py", "results"): (
         "RankError(_failure(...)): the message is assembled at run time from the failed ranks' "
         "tracebacks and exit codes; docs/errors.md describes it in prose (funcoll.testing)"
     ),

@@ -52,6 +52,7 @@ __all__ = [
     "Collective",
     "HostReads",
     "RankError",
+    "Ranks",
     "code_collectives",
     "collective_mismatch",
     "compiled_collectives",
@@ -66,6 +67,7 @@ __all__ = [
     "recording_backend",
     "run_ranks",
     "settled",
+    "start_ranks",
 ]
 
 
@@ -168,6 +170,113 @@ def _failure(procs: list[Any], results: Any, reported: set[int], errors: dict[in
     return "\n".join(parts)
 
 
+class Ranks:
+    """Ranks that :func:`start_ranks` started; :meth:`results` waits for them."""
+
+    def __init__(self, procs: list[Any], queue_: Any, store_path: str, timeout: float) -> None:
+        self._procs, self._queue, self._store_path = procs, queue_, store_path
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout  # the run's bound counts from the start
+        self._done: list[Any] | None = None
+
+    @property
+    def world(self) -> int:
+        return len(self._procs)
+
+    def results(self) -> list[Any]:
+        """``[result of rank 0, result of rank 1, ...]``, once every rank reported; see :func:`run_ranks`.
+
+        Raises:
+            RankError: a rank raised or died without a result (as :func:`run_ranks`).
+            TimeoutError: not every rank finished within the `timeout` given at the start.
+        """
+        if self._done is not None:
+            return self._done
+        procs, results, world = self._procs, self._queue, self.world
+        out: dict[int, Any] = {}
+        reported: set[int] = set()  # ranks that sent a result or an error
+        try:
+            while len(out) < world:
+                left = self._deadline - time.monotonic()
+                try:  # what arrived counts, however late it is read (ranks started side by side)
+                    rank, ok, payload = results.get(timeout=min(max(left, 0.0), 1.0))
+                except queue.Empty:
+                    if left <= 0:
+                        missing = sorted(set(range(world)) - set(out))
+                        for p in procs:  # hung: nothing left to wait for
+                            p.kill()
+                        raise TimeoutError(
+                            f"run_ranks: ranks {missing} did not finish within {self._timeout:.0f}s"
+                        ) from None
+                    if not _exited(procs, reported):
+                        continue
+                    try:  # an exit without a result: give the queue a moment, in case one is on its way
+                        rank, ok, payload = results.get(timeout=_GRACE_S)
+                    except queue.Empty:
+                        raise RankError(_failure(procs, results, reported, {}, world)) from None
+                reported.add(rank)
+                if not ok:
+                    raise RankError(_failure(procs, results, reported, {rank: payload}, world))
+                out[rank] = _loads(payload)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            if os.path.exists(self._store_path):
+                os.unlink(self._store_path)
+        self._done = [out[r] for r in range(world)]
+        return self._done
+
+
+def start_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    pg_timeout: float | None = None,
+) -> Ranks:
+    """Start ``fn(rank, world, *args)`` on `world` processes; ``.results()`` waits for them.
+
+    :func:`run_ranks` without the wait, so that groups of ranks run side by side:
+    each start makes a process group of its own, and ranks that wait in a
+    collective (a peer still compiling) leave the cores to the other group's.
+    The arguments are :func:`run_ranks`'; `timeout` counts from the start. The
+    processes are forked here, in the calling thread::
+
+        two, three = start_ranks(body, 2), start_ranks(body, 3)
+        assert two.results() == [0, 1] and three.results() == [0, 1, 2]  # body returns its rank
+    """
+    method = os.environ.get("FUNCOLL_TEST_START_METHOD", "fork")
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    fd, store_path = tempfile.mkstemp(prefix="funcoll_store_")
+    os.close(fd)
+    os.unlink(store_path)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                fn,
+                r,
+                world,
+                store_path,
+                results,
+                args,
+                backend,
+                timeout if pg_timeout is None else pg_timeout,
+            ),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return Ranks(procs, results, store_path, timeout)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world: int,
@@ -200,64 +309,7 @@ def run_ranks(
             the dead rank is reported first, as the cause.
         TimeoutError: not every rank finished within `timeout` (a hang).
     """
-    method = os.environ.get("FUNCOLL_TEST_START_METHOD", "fork")
-    ctx = mp.get_context(method)
-    results = ctx.Queue()
-    fd, store_path = tempfile.mkstemp(prefix="funcoll_store_")
-    os.close(fd)
-    os.unlink(store_path)
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                fn,
-                r,
-                world,
-                store_path,
-                results,
-                args,
-                backend,
-                timeout if pg_timeout is None else pg_timeout,
-            ),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    reported: set[int] = set()  # ranks that sent a result or an error
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world)) - set(out))
-                for p in procs:  # hung: nothing left to wait for
-                    p.kill()
-                raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout:.0f}s")
-            try:
-                rank, ok, payload = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if not _exited(procs, reported):
-                    continue
-                try:  # an exit without a result: give the queue a moment, in case one is on its way
-                    rank, ok, payload = results.get(timeout=_GRACE_S)
-                except queue.Empty:
-                    raise RankError(_failure(procs, results, reported, {}, world)) from None
-            reported.add(rank)
-            if not ok:
-                raise RankError(_failure(procs, results, reported, {rank: payload}, world))
-            out[rank] = _loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        if os.path.exists(store_path):
-            os.unlink(store_path)
-    return [out[r] for r in range(world)]
+    return start_ranks(fn, world, *args, timeout=timeout, backend=backend, pg_timeout=pg_timeout).results()
 
 
 def in_flight() -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import funcoll
-from funcoll.testing import RankError, gloo_worker_threads, print_line, run_ranks
+from funcoll.testing import RankError, gloo_worker_threads, print_line, run_ranks, start_ranks
 
 TIMEOUT_S = 60.0
 
@@ -76,6 +76,37 @@ def test_a_rank_that_never_calls_ends_in_a_timeout_error() -> None:
     took = time.monotonic() - start
     assert str(info.value) == f"run_ranks: ranks [0, 1] did not finish within {HANG_TIMEOUT_S:.0f}s"
     assert took < HANG_TIMEOUT_S + 5.0, f"the run took {took:.1f}s"
+
+
+def _gathers(rank: int, world: int) -> torch.Tensor:
+    return funcoll.gather(torch.full((rank + 1,), float(10 * world + rank)))
+
+
+def test_groups_started_side_by_side_each_get_their_own_results() -> None:
+    """Two start_ranks runs at once: each its own process group, read in either order."""
+    two, three = start_ranks(_gathers, 2, timeout=TIMEOUT_S), start_ranks(_gathers, 3, timeout=TIMEOUT_S)
+    for ranks, world in ((three, 3), (two, 2)):  # read in the other order than started
+        want = torch.cat([torch.full((r + 1,), float(10 * world + r)) for r in range(world)])
+        got = ranks.results()
+        assert ranks.world == world and len(got) == world
+        for r, y in enumerate(got):
+            torch.testing.assert_close(y, want, msg=lambda m, r=r, w=world: f"world {w} rank {r}: {m}")
+        assert ranks.results() is got  # read once, kept
+
+
+def _gathers_then_marks(rank: int, world: int, marks: str) -> torch.Tensor:
+    y = funcoll.gather(torch.ones(rank + 1)) + 0  # read: its collective is done
+    Path(f"{marks}.{rank}").touch()
+    return y
+
+
+def test_results_that_arrived_count_when_read_after_the_deadline(tmp_path: Path) -> None:
+    late = start_ranks(_gathers_then_marks, 2, str(tmp_path / "m"), timeout=1.0, pg_timeout=TIMEOUT_S)
+    end = time.monotonic() + TIMEOUT_S
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    time.sleep(2.0)  # past the deadline; the ranks reported right after their marks
+    assert [y.shape[0] for y in late.results()] == [3, 3]
 
 
 def _raises(rank: int, world: int) -> None:
