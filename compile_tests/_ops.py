@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -57,7 +58,15 @@ from torch import Tensor
 import funcoll
 from funcoll import compat
 from funcoll._ops import _spec
-from funcoll.testing import Collective, RankError, graph_collectives, in_flight, run_ranks, settled
+from funcoll.testing import (
+    Collective,
+    RankError,
+    Ranks,
+    graph_collectives,
+    in_flight,
+    settled,
+    start_ranks,
+)
 
 __all__ = [
     "A2A",
@@ -1242,6 +1251,43 @@ def _batch_worker(
     return out
 
 
+class Batch:
+    """A batch of cases started on its ranks (:func:`start_batch`); :meth:`results` waits for them."""
+
+    def __init__(self, ranks: Ranks, save_dir: str) -> None:
+        self._ranks, self._save_dir = ranks, save_dir
+        self._done: list[dict[str, Any]] | None = None
+
+    def results(self) -> list[dict[str, Any]]:
+        """One results dict per rank; a batch that stopped early is as :func:`run_batch` says."""
+        if self._done is None:
+            try:
+                self._done = self._ranks.results()
+            except (RankError, TimeoutError) as e:
+                self._done = []
+                for r in range(self._ranks.world):
+                    path = os.path.join(self._save_dir, f"rank{r}.pt")
+                    saved = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+                    saved[STOPPED] = f"{type(e).__name__}: {e}"
+                    self._done.append(saved)
+            finally:
+                shutil.rmtree(self._save_dir, ignore_errors=True)
+        return self._done
+
+
+def start_batch(
+    one_case: Callable[..., dict[Any, Any]], world: int, case_ids: Sequence[str], *args: Any, timeout: float
+) -> Batch:
+    """:func:`run_batch` without the wait: batches of several worlds run side by side.
+
+    Ranks that wait in a collective while a peer compiles leave a core idle; another
+    world's batch, started beside, takes it (funcoll.testing.start_ranks).
+    """
+    save_dir = tempfile.mkdtemp(prefix="funcoll_batch_")
+    ranks = start_ranks(_batch_worker, world, save_dir, one_case, list(case_ids), args, timeout=timeout)
+    return Batch(ranks, save_dir)
+
+
 def run_batch(
     one_case: Callable[..., dict[Any, Any]], world: int, case_ids: Sequence[str], *args: Any, timeout: float
 ) -> list[dict[str, Any]]:
@@ -1252,14 +1298,4 @@ def run_batch(
     batch stops early (a rank raised, died or hung) each rank's dict holds the
     cases finished before, plus ``results[STOPPED]``: why it stopped.
     """
-    with tempfile.TemporaryDirectory(prefix="funcoll_batch_") as save_dir:
-        try:
-            return run_ranks(_batch_worker, world, save_dir, one_case, list(case_ids), args, timeout=timeout)
-        except (RankError, TimeoutError) as e:
-            results = []
-            for r in range(world):
-                path = os.path.join(save_dir, f"rank{r}.pt")
-                saved = torch.load(path, weights_only=False) if os.path.exists(path) else {}
-                saved[STOPPED] = f"{type(e).__name__}: {e}"
-                results.append(saved)
-            return results
+    return start_batch(one_case, world, case_ids, *args, timeout=timeout).results()

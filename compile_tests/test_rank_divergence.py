@@ -41,7 +41,7 @@ from torch import Tensor
 from torch._dynamo.backends.registry import lookup_backend
 
 import funcoll
-from funcoll.testing import run_ranks
+from funcoll.testing import Ranks, start_ranks
 
 TIMEOUT = 150.0
 # The local lengths of each call (one row per call, one entry per rank).
@@ -305,18 +305,30 @@ def _rank_body(rank: int, world: int, case_index: int) -> dict[Mode, dict[str, A
 
 
 _RESULTS: dict[tuple[int, int], list[dict[Mode, dict[str, Any]]] | BaseException] = {}
+_STARTED: dict[tuple[int, int], Ranks] = {}
+AHEAD = 1  # runs started beside the one a test waits for (suite time: a rank waiting in a collective leaves a core)
+
+
+def _start(key: tuple[int, int]) -> None:
+    if key not in _RESULTS and key not in _STARTED:
+        _STARTED[key] = start_ranks(_rank_body, key[0], key[1], timeout=TIMEOUT)
 
 
 def _results(world: int, case_index: int) -> list[dict[Mode, dict[str, Any]]]:
     """One run_ranks call per (world, case), shared by its tests (a failure is cached too).
 
     A case of its own: when a compile fails on some ranks only, the others are left
-    inside a collective, and in a shared run every later case would fail with it.
+    inside a collective, and in a shared run every later case would fail with it. The
+    next :data:`AHEAD` (world, case) runs start beside it, in the tests' order.
     """
     key = (world, case_index)
+    order = list(dict.fromkeys((w, i) for w, i, _ in (p.values for p in _params())))
+    at = order.index(key) if key in order else len(order)
+    for k in [key, *order[at + 1 : at + 1 + AHEAD]]:
+        _start(k)
     if key not in _RESULTS:
         try:
-            _RESULTS[key] = run_ranks(_rank_body, world, case_index, timeout=TIMEOUT)
+            _RESULTS[key] = _STARTED.pop(key).results()
         except BaseException as e:  # noqa: BLE001 -- a hang or a crash: every test of this case reports it
             _RESULTS[key] = e
     got = _RESULTS[key]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcoll.testing import RankError, run_ranks
+from funcoll.testing import RankError, Ranks, start_ranks
 
 
 def seeded(shape: Sequence[int], dtype: torch.dtype, *key: object) -> Tensor:
@@ -47,7 +47,11 @@ def environ(**values: str) -> Iterator[None]:
 # A rank killed by SIGABRT in mid-run, inside a gloo wait, its peers further on: seen in 2 of
 # the fresh-clone runs of 2026-11-29 (tests/test_lax.py's world-2 batch on torch 2.15, the
 # world-3 soak on 2.13), never when the same batch was run again (3 of 3 on 2.15), with no
-# gloo message captured. Its cause is not known yet (docs/errors.md, "Faults").
+# gloo message captured; and once on 2026-11-30 (tests/test_moe.py's world-2 batch on torch
+# 2.11, in the release matrix), where glibc said "malloc(): unaligned tcache chunk
+# detected" as rank 0 issued a size exchange's all_gather: the heap of that rank was
+# corrupt. Not seen again in a smoke run of 2.11 nor in 11 runs of that file. Its cause is
+# not known yet (docs/errors.md, "Faults").
 KILLED_BY_ABORT = "died without a result (killed by SIGABRT)"
 
 
@@ -65,24 +69,36 @@ def rerun_once_on_abort(run: Callable[[], Any]) -> Any:
 
 
 def once_per_world(
-    body: Callable[..., Any], timeout: float, env: dict[str, str] | None = None, **run_kwargs: Any
+    body: Callable[..., Any],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    worlds: Sequence[int] = (),
+    **run_kwargs: Any,
 ) -> Callable[[int], list[Any]]:
     """``batch(world)`` runs ``run_ranks(body, world)`` once per session and caches the result.
 
     A failed batch is cached too and re-raised for every test that reads it, so one
     broken batch costs one timeout, not one per test. `env` is set while the ranks
     start (:func:`environ`); `run_kwargs` go to ``run_ranks`` (``backend``, ``pg_timeout``).
+    With `worlds`, the first ``batch`` call starts the batch of every one of them, side
+    by side (``funcoll.testing.start_ranks``): ranks that wait in a collective while a
+    peer computes leave a core to another world's (suite time).
     """
     done: dict[int, list[Any]] = {}
     failed: dict[int, Exception] = {}
+    started: dict[int, Ranks] = {}
+
+    def start(world: int) -> Ranks:
+        with environ(**(env or {})):
+            return start_ranks(body, world, timeout=timeout, **run_kwargs)
 
     def batch(world: int) -> list[Any]:
+        if not done and not failed and not started:
+            started.update({w: start(w) for w in worlds})
         if world not in done and world not in failed:
+            ready = iter([started.pop(world)] if world in started else [])  # a rerun starts anew
             try:
-                with environ(**(env or {})):
-                    done[world] = rerun_once_on_abort(
-                        lambda: run_ranks(body, world, timeout=timeout, **run_kwargs)
-                    )
+                done[world] = rerun_once_on_abort(lambda: (next(ready, None) or start(world)).results())
             except (RankError, TimeoutError) as e:
                 failed[world] = e
         if world in failed:

@@ -238,7 +238,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-batch = once_per_world(run_body, TIMEOUT_S)
+batch = once_per_world(run_body, TIMEOUT_S, worlds=WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -184,7 +184,9 @@ def compat_body(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-compat_batch = once_per_world(compat_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
+compat_batch = once_per_world(
+    compat_body, TIMEOUT_S, worlds=WORLDS
+)  # the batch on `world` ranks, run once per session
 
 
 # ------------------------------------------------------------------------------------ tests

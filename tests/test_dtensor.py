@@ -441,7 +441,7 @@ def dtensor_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors, "ragged": run_ragged(rank, world)}
 
 
-dtensor_batch = once_per_world(dtensor_body, TIMEOUT_S)
+dtensor_batch = once_per_world(dtensor_body, TIMEOUT_S, worlds=WORLDS)
 
 
 # -------------------------------------------------------------------------- reference

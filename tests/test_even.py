@@ -356,7 +356,9 @@ def even_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors, "no_grad": no_grad, "final_all_reduce": check}
 
 
-even_batch = once_per_world(even_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
+even_batch = once_per_world(
+    even_body, TIMEOUT_S, worlds=WORLDS
+)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference

@@ -186,7 +186,9 @@ def group_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors}
 
 
-group_batch = once_per_world(group_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
+group_batch = once_per_world(
+    group_body, TIMEOUT_S, worlds=WORLDS
+)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference

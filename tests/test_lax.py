@@ -733,7 +733,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
     return res
 
 
-batch = once_per_world(body, TIMEOUT_S)
+batch = once_per_world(body, TIMEOUT_S, worlds=WORLDS)
 SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "jax_shard_map.py"
 
 

@@ -57,7 +57,7 @@ from _cases import PROPERTY_OPS, Case, HypothesisDraw, check_all, draw_case, run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from funcoll.testing import run_ranks
+from funcoll.testing import Ranks, start_ranks
 
 WORLDS = (1, 2, 3, 4)
 EXAMPLES = {1: 15, 2: 45, 3: 45, 4: 45}  # examples drawn per op and world size (the suite's time)
@@ -82,20 +82,31 @@ def hypothesis_cases(op: str, world: int, n: int) -> list[Case]:
 
 
 class Batches:
-    """Every drawn case of one world size, run on its ranks in one run_ranks call (cached)."""
+    """Every drawn case of one world size, run on its ranks in one run_ranks call (cached).
+
+    The first call starts every world's batch, side by side (``start_ranks``): ranks
+    that wait in a collective leave a core to another world's (suite time).
+    """
 
     def __init__(self) -> None:
         self._done: dict[int, dict[str, list[tuple[Case, list[dict[str, Any]]]]]] = {}
+        self._started: dict[int, tuple[dict[str, list[Case]], Ranks]] = {}
 
     def cases(self, world: int) -> dict[str, list[Case]]:
         return {op: hypothesis_cases(op, world, EXAMPLES[world]) for op in PROPERTY_OPS}
 
+    def _start(self, world: int) -> tuple[dict[str, list[Case]], Ranks]:
+        by_op = self.cases(world)
+        flat = [c for cases in by_op.values() for c in cases]
+        return by_op, start_ranks(run_batch, world, flat, timeout=TIMEOUT)
+
     def results(self, world: int) -> dict[str, list[tuple[Case, list[dict[str, Any]]]]]:
+        if not self._done and not self._started:
+            self._started = {w: self._start(w) for w in WORLDS}
         if world not in self._done:
-            by_op = self.cases(world)
-            flat = [c for cases in by_op.values() for c in cases]
-            per_rank = run_ranks(run_batch, world, flat, timeout=TIMEOUT)
-            it: Iterator[int] = iter(range(len(flat)))
+            by_op, handle = self._started.pop(world, None) or self._start(world)
+            per_rank = handle.results()
+            it: Iterator[int] = iter(range(sum(len(cases) for cases in by_op.values())))
             self._done[world] = {
                 op: [(c, [ranks[i] for ranks in per_rank]) for c, i in zip(cases, it, strict=False)]
                 for op, cases in by_op.items()

@@ -215,7 +215,9 @@ def region_body(rank: int, world: int) -> dict[str, Any]:
     return {"results": results, "errors": errors}
 
 
-region_batch = once_per_world(region_body, TIMEOUT_S)  # the batch on `world` ranks, run once per session
+region_batch = once_per_world(
+    region_body, TIMEOUT_S, worlds=WORLDS
+)  # the batch on `world` ranks, run once per session
 
 
 # --------------------------------------------------------------------------- reference

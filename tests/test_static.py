@@ -171,7 +171,7 @@ def _run_cases(rank: int, world: int) -> dict[tuple[str, str], Any]:
     return out
 
 
-_batch = once_per_world(_run_cases, TIMEOUT_S)
+_batch = once_per_world(_run_cases, TIMEOUT_S, worlds=WORLDS)
 
 
 @pytest.mark.parametrize("header", HEADERS)

@@ -374,7 +374,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-batch = once_per_world(run_body, TIMEOUT_S)
+batch = once_per_world(run_body, TIMEOUT_S, worlds=WORLDS)
 
 
 # ------------------------------------------------------------------ the references

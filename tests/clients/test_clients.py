@@ -326,7 +326,7 @@ def run_body(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-batch = once_per_world(run_body, TIMEOUT_S)
+batch = once_per_world(run_body, TIMEOUT_S, worlds=WORLDS)
 
 
 @functools.cache
