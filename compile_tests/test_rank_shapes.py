@@ -21,19 +21,22 @@ compute), which move collectives and waits per graph.
 
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 0 rows at every world size, ``_ops.ragged_sizes``; at 3 ranks on aot_eager, and at
-2 under inductor's overlap passes, the cases whose ranks hold different shapes),
+2 under inductor's overlap passes, the cases whose ranks hold different shapes; not
+the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgraph),
 run for two steps of which only the last rank's shape changes
 (``_ops.last_rank_shifted``; on aot_eager every case, on inductor the
-``INDUCTOR_CASES``, suite time): that rank alone compiles again on the second, with a shape it sees for the first time (dynamic at 3 ranks,
-0 rows at 2), and its graphs must pair with those its peers compiled on the first
-(the even and padded ops take one shape on every rank: theirs do not change);
-``funcoll.moe`` dispatch and combine in exact and static modes, with one rank
-routing 0 tokens on the second step, so that it alone compiles a new graph while
-the others reuse theirs (the case that failed: on that rank inductor's ``cat``
-decomposition dropped the empty gradient, and the partitioner moved combine's
-backward all_to_all into the forward graph); and two independent ragged ops in
-one step, which nothing but the graph's order keeps in step. Outputs and gradients are also compared with the
-single-process reference.
+``INDUCTOR_CASES``, suite time): that rank alone compiles again on the second, with
+a shape it sees for the first time (dynamic at 3 ranks, 0 rows at 2), and its graphs
+must pair with those its peers compiled on the first (the even and padded ops take
+one shape on every rank: theirs do not change); ``funcoll.moe`` dispatch and combine
+in exact and static modes, with one rank routing 0 tokens on the second step, so
+that it alone compiles a new graph while the others reuse theirs (the case that
+failed: on that rank inductor's ``cat`` decomposition dropped the empty gradient,
+and the partitioner moved combine's backward all_to_all into the forward graph); and
+two independent ragged ops in one step, which nothing but the graph's order keeps in
+step. These two run on aot_eager at 2 and 3 ranks, with the overlap passes at 2 and
+on plain inductor at 3 (``STEP_COMPILERS``). Outputs and gradients are also compared
+with the single-process reference.
 
 With ``funcoll.set_checks(True)``, a mismatch is the same ``ValueError`` on every
 rank: the fix above undone (the ``cat``), two MoE layers compiled on inductor,
@@ -52,13 +55,14 @@ from _ops import (
     CASES,
     CASES_BY_ID,
     STOPPED,
+    Batch,
     OpCase,
     last_rank_shifted,
     moe_step,
     reference_grads,
     reference_outputs,
-    run_batch,
     run_case,
+    start_batch,
 )
 
 import funcoll
@@ -82,9 +86,9 @@ INDUCTOR_CASES = (
     "all_to_all_padded-xw3x5-dim0",
 )
 # Even ops whose graph is the same on every rank (one shape, no rank in the graph), so that
-# every rank issues the same collectives by construction, and whose inductor runs are
-# test_fullgraph's (against eager and the reference): not compiled on inductor here (suite time).
-INDUCTOR_ELSEWHERE = (
+# every rank issues the same collectives by construction, and whose aot_eager and inductor
+# runs are test_fullgraph's (against eager and the reference): not compiled here (suite time).
+ELSEWHERE = (
     "all_gather-x3x5-dim0",
     "all_gather-x3x5-dim1-noncontig",
     "all_gather-untiled-x3x5-dim1",
@@ -95,6 +99,11 @@ INDUCTOR_ELSEWHERE = (
 )
 # Dropless mode compiles as one of these (moe.Dropless runs the static graph, then exact on an overflow).
 MOE_MODES = ("exact", "static")
+# The MoE and pair steps: each compiler at one world at least (suite time). aot_eager at
+# both; the overlap passes at 2 ranks, plain inductor at 3 (one rank routes no token at
+# both). tests/test_torchtitan.py compiles torchtitan's MoE layer with funcoll's
+# dispatcher on all three at 2 ranks, its collectives compared the same way.
+STEP_COMPILERS = {2: ("aot_eager", "inductor-overlap"), 3: ("aot_eager", "inductor")}
 TIMEOUT = 900.0
 
 
@@ -224,33 +233,41 @@ def _shapes_differ(case: OpCase, world: int) -> bool:
     return len(shapes) > 1 or _last_rank_shape_changes(case, world)
 
 
+def _overlap_case(cid: str, differ: list[str]) -> bool:
+    """Whether `cid` compiles with inductor's overlap passes (at 2 ranks): ranks of different shapes.
+
+    The passes move collectives and waits within each graph; ranks that compile one
+    graph (one shape, ``differ`` false) move them alike. A ``compat`` function calls the
+    funcoll op of its own case, and a wire format changes a payload's dtype, not which
+    collectives run (the ``-wire-`` cases): both run on aot_eager and plain inductor
+    (suite time).
+    """
+    return cid in differ and not cid.startswith("compat.") and "-wire-" not in cid
+
+
 def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
     # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
     # op at 2 ranks (one of them with 0 rows); at 3 the ops whose backward builds its send
-    # buffers, where a third rank adds a nonzero length (neither: INDUCTOR_ELSEWHERE). Inductor's overlap passes: these
-    # and the send-buffer ones at 2 ranks (at 3, the MoE and pair steps below).
+    # buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's
+    # overlap passes: these at 2 ranks (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
-    keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ)]
-    keys += [
-        f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES) if cid not in INDUCTOR_ELSEWHERE
-    ]
-    keys += [
-        f"inductor-overlap|{cid}" for cid in ops if world == 2 and (cid in differ or cid in INDUCTOR_CASES)
-    ]
-    keys += [f"{comp}|moe-{mode}" for comp in COMPILERS for mode in MOE_MODES]
-    keys += [f"{comp}|pair" for comp in COMPILERS]
+    keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ) if cid not in ELSEWHERE]
+    keys += [f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES) if cid not in ELSEWHERE]
+    keys += [f"inductor-overlap|{cid}" for cid in ops if world == 2 and _overlap_case(cid, differ)]
+    keys += [f"{comp}|moe-{mode}" for comp in STEP_COMPILERS[world] for mode in MOE_MODES]
+    keys += [f"{comp}|pair" for comp in STEP_COMPILERS[world]]
     return keys
 
 
-_BATCHES: dict[int, list[dict[str, Any]]] = {}
+_BATCHES: dict[int, Batch] = {}
 
 
 def _batch(world: int) -> list[dict[str, Any]]:
-    if world not in _BATCHES:
-        _BATCHES[world] = run_batch(_one_case, world, _keys(world), timeout=TIMEOUT)
-    return _BATCHES[world]
+    if not _BATCHES:  # every world's batch at once, side by side (suite time)
+        _BATCHES.update({w: start_batch(_one_case, w, _keys(w), timeout=TIMEOUT) for w in WORLDS})
+    return _BATCHES[world].results()
 
 
 def _moe_reference(mode: str, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -361,10 +378,10 @@ def _checked_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_the_ops_left_out_on_inductor_hold_one_shape_and_compile_on_inductor_in_test_fullgraph() -> None:
+def test_the_ops_left_out_hold_one_shape_and_compile_every_way_in_test_fullgraph() -> None:
     from test_fullgraph import _every_way  # compile_tests/, beside this file
 
-    for cid in INDUCTOR_ELSEWHERE:
+    for cid in ELSEWHERE:
         case = CASES_BY_ID[cid]
         assert not _shapes_differ(case, 2) and _every_way(case), cid
 
