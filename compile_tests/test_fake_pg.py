@@ -201,6 +201,4 @@ def test_ranks_with_other_shapes_issue_the_same_collectives_at_64(cid: str) -> N
     for phase, name in enumerate(("forward", "backward")[: len(got[0])]):
         seqs = [[dataclasses.replace(c, send=None, recv=None) for c in g[phase]] for g in got]
         mismatch = collective_mismatch(seqs)
-        assert mismatch is None, (
-            f"{name} (ranks {SHAPE_RANKS} of {SHAPE_WORLD}, as ranks 0, 1): {mismatch}"
-        )
+        assert mismatch is None, f"{name} (ranks {SHAPE_RANKS} of {SHAPE_WORLD}, as ranks 0, 1): {mismatch}"
