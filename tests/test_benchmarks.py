@@ -7,6 +7,7 @@ records hold what docs/benchmarks.md reads, never how fast anything is.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -29,11 +30,52 @@ FAMILIES = (
 )  # and row_kernels, skipped without CUDA
 
 
-def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--reuse-memory", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+# name -> (its command, its timeout in seconds). The three run side by side, started at
+# the first test's read (suite time): the CUDA scripts' smoke runs hold one rank each.
+SCRIPTS: dict[str, tuple[list[str], float]] = {
+    "quick": ([str(RUN), "--quick", "--reuse-memory", "--out", "{out}"], 300.0),
+    "bench_overlap_cuda.py": ([str(RUN.parent / "bench_overlap_cuda.py"), "--quick"], 600.0),
+    "bench_torchtitan_cuda.py": ([str(RUN.parent / "bench_torchtitan_cuda.py"), "--quick"], 600.0),
+}
+
+
+@dataclasses.dataclass
+class Script:
+    """A script started in a subprocess; :meth:`done` waits for it."""
+
+    proc: subprocess.Popen
+    out: Path
+    timeout: float
+
+    def done(self) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        read = [(self.out.with_suffix(s)).read_text() for s in (".out", ".err")]
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, *read)
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Script]:
+    where = tmp_path_factory.mktemp("benchmarks")
+    (where / "quick-out").mkdir()
+    started = {}
+    for name, (args, timeout) in SCRIPTS.items():
+        if name == "bench_torchtitan_cuda.py" and importlib.util.find_spec("torchtitan") is None:
+            continue  # its test skips
+        out = where / name.removesuffix(".py")
+        with out.with_suffix(".out").open("w") as o, out.with_suffix(".err").open("w") as e:
+            cmd = [sys.executable, *(a.format(out=where / "quick-out") for a in args)]
+            started[name] = Script(subprocess.Popen(cmd, stdout=o, stderr=e, text=True), out, timeout)
+    return started
+
+
+def test_quick_run_writes_records_and_plots(scripts: dict[str, Script]) -> None:
+    done = scripts["quick"].done()
+    tmp_path = scripts["quick"].out.parent / "quick-out"  # run.py's --out
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["meta"]) == set(FAMILIES)
@@ -91,19 +133,17 @@ def test_quick_run_writes_records_and_plots(tmp_path: Path) -> None:
     }
 
 
-def _table(script: str, *args: str) -> list[list[str]]:
+def _table(script: Script) -> list[list[str]]:
     """The rows of the markdown table a benchmark script prints, split into cells."""
-    done = subprocess.run(
-        [sys.executable, str(RUN.parent / script), *args], capture_output=True, text=True, timeout=600
-    )
+    done = script.done()
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| mode")]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if not ln.startswith("| T ")]
 
 
-def test_overlap_cuda_smoke_run() -> None:
+def test_overlap_cuda_smoke_run(scripts: dict[str, Script]) -> None:
     """bench_overlap_cuda.py --quick: without a GPU, its steps on CPU tensors and a one-rank gloo group."""
-    rows = _table("bench_overlap_cuda.py", "--quick")
+    rows = _table(scripts["bench_overlap_cuda.py"])
     kinds = ("all_gather", "reduce_scatter", "all_to_all")
     assert {(r[0], r[1], r[2]) for r in rows} == {
         (m, k, side) for m in ("eager", "inductor+overlap") for k in kinds for side in ("funcol", "funcoll")
@@ -113,10 +153,10 @@ def test_overlap_cuda_smoke_run() -> None:
         assert r[0] != "eager" or float(r[8]) > 0, r  # the eager call's own time, over its collective's
 
 
-def test_torchtitan_cuda_smoke_run() -> None:
+def test_torchtitan_cuda_smoke_run(scripts: dict[str, Script]) -> None:
     """bench_torchtitan_cuda.py --quick: torchtitan's layer with each dispatcher, one rank, host reads counted."""
     pytest.importorskip("torchtitan")
-    rows = _table("bench_torchtitan_cuda.py", "--quick")
+    rows = _table(scripts["bench_torchtitan_cuda.py"])
     reads = {r[2]: int(r[7]) for r in rows}
     # torchtitan's dispatcher reads its splits twice; exact mode once; static never; dropless once a step
     want = {
