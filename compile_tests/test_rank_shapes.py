@@ -38,9 +38,11 @@ step. These two run on aot_eager at 2 and 3 ranks, with the overlap passes at 2 
 on plain inductor at 3 (``STEP_COMPILERS``). Outputs and gradients are also compared
 with the single-process reference.
 
-With ``funcoll.set_checks(True)``, a mismatch is the same ``ValueError`` on every
-rank: the fix above undone (the ``cat``), two MoE layers compiled on inductor,
-and every rank raises, naming what each was about to issue.
+With ``funcoll.set_checks(True)``, a program whose ranks do issue different
+collectives (one rank drops a layer's output, so its backward skips that layer's)
+raises the same ``ValueError`` on every rank, naming what each was about to issue.
+(Programs whose ranks differ in what a user's code does around the ops, with the
+same collectives: ``test_rank_programs.py``.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ from _ops import (
 )
 
 import funcoll
-from funcoll.moe import _autograd as moe_autograd
 from funcoll.testing import Collective, collective_mismatch, compiling, run_ranks
 
 WORLDS = (2, 3)
@@ -359,20 +360,20 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
 
 
 # ------------------------------------------------------------------- checks: an error
-def _with_zero_row_by_cat(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # what funcoll.moe did: cat drops an empty t
-
-
 def _checked_mismatch(rank: int, world: int) -> str:
-    moe_autograd.with_zero_row = _with_zero_row_by_cat  # the bug, back
     funcoll.set_checks(True)
     layer = _moe_step("static")
-    step = torch.compile(lambda x, idx: layer(layer(x, idx), idx), fullgraph=True, backend="inductor")
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        y = layer(x, idx)
+        return (x * 2).sum() if rank == 1 else y.sum()  # rank 1 drops the layer's output
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
     x, idx = _moe_inputs(rank, world)
     x.requires_grad_()
     try:
-        for _ in range(2):  # the rank that moved a backward collective meets the others' next step
-            step(x, idx).sum().backward()
+        for _ in range(2):  # rank 1 runs no backward collective: it meets rank 0's with its next step
+            compiled(x, idx).backward()
     except ValueError as e:
         return str(e)
     return "no error"
@@ -387,7 +388,12 @@ def test_the_ops_left_out_hold_one_shape_and_compile_every_way_in_test_fullgraph
 
 
 def test_checks_turn_a_mismatch_into_the_same_error_on_every_rank() -> None:
-    """Without checks this pairs different collectives: gloo aborts or hangs (NCCL: hangs or garbage)."""
+    """A program whose ranks issue different collectives: rank 1 drops a layer's output.
+
+    Its backward then skips that layer's collectives, in eager code as in compiled.
+    Without checks the ranks pair different collectives: gloo aborts or hangs (NCCL:
+    hangs or garbage). With checks every rank raises the same ValueError.
+    """
     errors = run_ranks(_checked_mismatch, 2, timeout=300.0, pg_timeout=120.0)
     assert errors[0].startswith("funcoll: ranks issue different collectives at the same point (rank 0: "), (
         errors[0]

@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ._base._dtensor import contiguous_strides, is_placement
 from ._base._group import GroupLike
 from ._base._sym import prod
+from ._collective._phase import Primitive
 
 __all__ = [
     "Axes",
@@ -225,7 +226,7 @@ def axis_sizes(device_mesh: DeviceMesh, names: Sequence[str]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ shard_map
-class _ScaleGrad(torch.autograd.Function):
+class _ScaleGrad(Primitive):
     """Identity forward; the gradient times `scale` (an output's cotangent over its replicas)."""
 
     @staticmethod

@@ -174,6 +174,29 @@ def test_no_function_is_longer_than_120_lines() -> None:
     assert not long, "\n".join(long)
 
 
+# The seed-style helpers the demo compares against are not funcoll's: their backwards are the seeds'.
+NOT_PRIMITIVES = ("funcoll._demo_seeds",)
+
+
+def test_every_autograd_function_is_a_primitive() -> None:
+    """Every autograd.Function in funcoll subclasses ``_phase.Primitive``, whose compiled backward stays in the backward.
+
+    A funcoll backward written on ``torch.autograd.Function`` directly would lose the
+    partitioner's ``must_be_in_backward`` tag: on a rank whose gradient is a constant of
+    the graph (``loss * 0``), its collectives would move into the forward graph.
+    """
+    plain = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _module(path) in NOT_PRIMITIVES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if bases & {"torch.autograd.Function", "Function", "autograd.Function"}:
+                    plain.append(f"{_module(path)}.{node.name}")
+    assert plain == ["funcoll._collective._phase.Primitive"], plain
+
+
 # The folders, from the bottom (docs/contributing.md, "Layers"): a module imports its own
 # folder's modules and those of the folders below, never one above.
 FOLDERS = (

@@ -32,6 +32,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor, _is
 from torch.utils._pytree import tree_map_only
 
 from . import _faults
+from ._phase import Primitive
 
 __all__ = ["Pending", "defer", "defers", "drain", "wait"]
 
@@ -264,7 +265,7 @@ def wait(tree: Any) -> Any:
     return tree_map_only(AsyncCollectiveTensor, _waited, tree)
 
 
-class _Waited(torch.autograd.Function):
+class _Waited(Primitive):
     """A pending result's values as a plain tensor, with its autograd history: the identity."""
 
     @staticmethod

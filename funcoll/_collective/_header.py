@@ -588,6 +588,15 @@ def given_sizes(
     if sizes is None:
         return None
     sz = host_sizes(opname, "sizes", sizes, g.size)
+    if torch.compiler.is_compiling() and not isinstance(sizes, Tensor):
+        # A list's ints are constants of the graph (backed symbols once dynamo makes them
+        # dynamic): asserting this rank's equal to x's length would replace x's symbol
+        # by it, a length `mark_ragged` made unbacked by a constant, which inductor fails
+        # to lower (torch 2.13: a reshape to `[3*s38]` in the a2a's repeat, a size
+        # mismatch in a matmul's backward) and which recompiles the graph for every
+        # list. So this rank's entry is x's own length; a list that says otherwise
+        # is not caught in a compiled graph unless checks are on (docs/compile.md).
+        return [*sz[: g.rank], x.shape[dim], *sz[g.rank + 1 :]]
     if g.is_single or not checks_enabled():
         mine, n = sz[g.rank], x.shape[dim]
         check_equal(

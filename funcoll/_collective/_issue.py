@@ -17,6 +17,7 @@ from torch import Tensor
 from .._base._config import checks_enabled
 from .._base._group import wire_name
 from . import _async, _faults
+from ._phase import in_phase
 
 __all__ = ["ALIAS_WAIT", "gather_rows", "run"]
 
@@ -92,6 +93,6 @@ def run(
 def gather_rows(rows: Tensor, group_name: str, world: int, step: str) -> Tensor:
     """Every rank's `rows` (a small header), concatenated along dim 0 and waited for: the host reads them next."""
     return run(
-        "all_gather", group_name, rows.contiguous(),
+        "all_gather", group_name, in_phase(rows.contiguous()),
         lambda t, g: _F.all_gather_into_tensor(t, world, g), step, defer=False,
     )  # fmt: skip

@@ -48,6 +48,7 @@ from .._base._strategy import all_equal, common_rows, resolve
 from .._base._sym import Stats, max_of
 from . import _faults, _issue
 from ._header import check_collective
+from ._phase import Primitive
 from ._rows import cut_padding, pad_rows
 
 _F = torch.ops._c10d_functional
@@ -94,7 +95,7 @@ def all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, d
     )  # fmt: skip
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -132,7 +133,7 @@ def reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) 
     )
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -141,8 +142,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = all_gather_p(grad, ctx.group_name, ctx.world)
-        return scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world), None, None, None
+        g = all_gather_p(differentiable("reduce_scatter", ctx.reduce_op, grad), ctx.group_name, ctx.world)
+        return scale_for_op(ctx.reduce_op, g, ctx.world), None, None, None
 
 
 def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -150,14 +151,50 @@ def reduce_scatter_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
     return _ReduceScatter.apply(x, reduce_op, group_name, world)
 
 
-def scale_for_op(key: str, reduce_op: str, g: Tensor, world: int) -> Tensor:
-    if reduce_op == "sum":
-        return g
-    if reduce_op == "avg":
-        return g / world
-    raise NotImplementedError(
-        f"funcoll.{key}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
-    )
+def scale_for_op(reduce_op: str, g: Tensor, world: int) -> Tensor:
+    """The gradient `g` of a reduction over `world` ranks scaled for `reduce_op`: avg divided, else as is.
+
+    A backward calls :func:`differentiable` on its incoming gradient first: any
+    `reduce_op` other than sum and avg has raised there (eager) or raises when
+    the compiled backward runs, before this value is used.
+    """
+    return g / world if reduce_op == "avg" else g
+
+
+def _no_gradient_message(key: str, reduce_op: str) -> str:
+    return f"funcoll.{key}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
+
+
+def differentiable(key: str, reduce_op: str | None, grad: Tensor) -> Tensor:
+    """`grad`, if a reduction by `reduce_op` has a gradient (sum, avg; None: a broadcast); else it raises.
+
+    A backward calls it on its incoming gradient before it communicates, so that
+    max, min and product (JAX's ``pmax`` has no gradient either) raise the same
+    ``NotImplementedError`` on every rank, with nothing sent. Eager it raises here.
+    While compiling, raising would fail the trace of the forward (dynamo traces the
+    backward with it), where eager code runs the forward and raises only when the
+    backward runs: the gradient passes through ``funcoll::no_gradient`` instead,
+    which raises the same error when the compiled backward runs it.
+    """
+    if reduce_op in (None, "sum", "avg"):
+        return grad
+    message = _no_gradient_message(key, reduce_op)
+    if torch.compiler.is_compiling():
+        return torch.ops.funcoll.no_gradient(grad, message)
+    raise NotImplementedError(message)
+
+
+@torch.library.custom_op("funcoll::no_gradient", mutates_args=())
+def _no_gradient(grad: Tensor, message: str) -> Tensor:
+    raise NotImplementedError(message)
+
+
+@_no_gradient.register_fake
+def _no_gradient_fake(grad: Tensor, message: str) -> Tensor:
+    return torch.empty_like(grad)
+
+
+torch.fx.node.has_side_effect(torch.ops.funcoll.no_gradient.default)  # it raises: never dead code
 
 
 # ---------------------------------------------------------------------------- all_reduce
@@ -165,7 +202,7 @@ def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
     return _avg_as_sum("all_reduce", group_name, x, reduce_op, world, lambda t, o, g: _F.all_reduce(t, o, g))
 
 
-class _AllReduce(torch.autograd.Function):
+class _AllReduce(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -174,8 +211,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = all_reduce_p(grad, "sum", ctx.group_name, ctx.world)
-        return scale_for_op("all_reduce", ctx.reduce_op, g, ctx.world), None, None, None
+        g = all_reduce_p(differentiable("all_reduce", ctx.reduce_op, grad), "sum", ctx.group_name, ctx.world)
+        return scale_for_op(ctx.reduce_op, g, ctx.world), None, None, None
 
 
 def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
@@ -196,7 +233,7 @@ def all_to_all_impl(x: Tensor, recv: list[IntLike], send: list[IntLike], group_n
     )  # fmt: skip
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
         _faults.remember(ctx)
@@ -227,7 +264,7 @@ def with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
     return torch.cat([blocks, tail], 1).reshape(-1, *extra.shape[1:])
 
 
-class _AllGatherBlocks(torch.autograd.Function):
+class _AllGatherBlocks(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -248,7 +285,7 @@ def all_gather_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
     return _AllGatherBlocks.apply(x, extra, group_name, world)
 
 
-class _AllToAllBlocks(torch.autograd.Function):
+class _AllToAllBlocks(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -277,7 +314,7 @@ def all_to_all_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
 
 
 # ------------------------------------------------------------------ broadcast and reduce
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
         _faults.remember(ctx)
@@ -293,7 +330,7 @@ def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> 
     return _Broadcast.apply(x, src, group_name, world, rank)
 
 
-class _Reduce(torch.autograd.Function):
+class _Reduce(Primitive):
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, rank: int
@@ -307,7 +344,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # op's gradient first: max/min/product raise on every rank before anything is sent
-        g = scale_for_op("reduce", ctx.reduce_op, grad, ctx.world)
+        g = scale_for_op(ctx.reduce_op, differentiable("reduce", ctx.reduce_op, grad), ctx.world)
         return broadcast_p(g, ctx.dst, ctx.group_name, ctx.world, ctx.rank), None, None, None, None, None
 
 
@@ -321,7 +358,7 @@ def reduce_p(x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, r
 
 
 # --------------------------------------------------------------------------- replicate_p
-class _Replicate(torch.autograd.Function):
+class _Replicate(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
         _faults.remember(ctx)
@@ -332,7 +369,8 @@ class _Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = grad if ctx.reduce_op is None else scale_for_op("all_reduce", ctx.reduce_op, grad, ctx.world)
+        g = differentiable("all_reduce", ctx.reduce_op, grad)
+        g = g if ctx.reduce_op is None else scale_for_op(ctx.reduce_op, g, ctx.world)
         return g, None, None, None, None
 
 
@@ -488,7 +526,7 @@ def gather_pieces(
     return [blocks.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
 
 
-class _AllGatherV(torch.autograd.Function):
+class _AllGatherV(Primitive):
     @staticmethod
     def forward(
         ctx: Any,
@@ -511,7 +549,7 @@ class _AllGatherV(torch.autograd.Function):
         return g, None, None, None, None, None, None
 
 
-class _ReduceScatterV(torch.autograd.Function):
+class _ReduceScatterV(Primitive):
     @staticmethod
     def forward(
         ctx: Any,
@@ -536,9 +574,10 @@ class _ReduceScatterV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = differentiable("reduce_scatter", ctx.reduce_op, grad)
         g = gather_rows(grad, ctx.sizes, "auto", ctx.group_name, ctx.world, ctx.rank, ctx.stats)
         return (
-            scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world),
+            scale_for_op(ctx.reduce_op, g, ctx.world),
             None,
             None,
             None,

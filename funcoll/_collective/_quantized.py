@@ -28,11 +28,13 @@ from .._base._checks import IntLike
 from .._base._quant import Wire, decode, encode
 from .._base._sym import Stats
 from . import _faults
+from ._phase import Primitive
 from ._prims import (
     all_gather_impl,
     all_to_all_impl,
     all_to_all_p,
     ctx_ints,
+    differentiable,
     gather_rows,
     reduce_scatter_impl,
     reduce_scatter_v_p,
@@ -97,7 +99,7 @@ def _scatter_reduce(x: Tensor, wire: Wire | None, reduce_op: str, group_name: st
     return _REDUCE[reduce_op](_decode(got.view(world, -1), wire, x.shape[1:], x.dtype))
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(Primitive):
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, wire: Wire | None, grad_wire: Wire | None, group_name: str, world: int
@@ -112,7 +114,7 @@ class _AllGather(torch.autograd.Function):
         return g, None, None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(Primitive):
     @staticmethod
     def forward(
         ctx: Any,
@@ -129,8 +131,9 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = differentiable("reduce_scatter", ctx.reduce_op, grad)
         g = all_gather_wire_p(grad, ctx.group_name, ctx.world, ctx.grad_wire, None)
-        return scale_for_op("reduce_scatter", ctx.reduce_op, g, ctx.world), None, None, None, None, None
+        return scale_for_op(ctx.reduce_op, g, ctx.world), None, None, None, None, None
 
 
 def all_gather_wire_p(
@@ -155,7 +158,7 @@ def _rows(x: Tensor, wire: Wire | None, recv: list[IntLike], send: list[IntLike]
     return _own(_decode(got, wire, x.shape[1:], x.dtype))
 
 
-class _AllToAllRows(torch.autograd.Function):
+class _AllToAllRows(Primitive):
     @staticmethod
     def forward(
         ctx: Any,
@@ -200,7 +203,7 @@ def all_to_all_rows_wire_p(
     return _AllToAllRows.apply(x, wire, grad_wire, list(recv), list(send), group_name)
 
 
-class _GatherRows(torch.autograd.Function):
+class _GatherRows(Primitive):
     """The ragged all-gather of rows (a strategy of funcoll.gather) in `wire`; its adjoint in `grad_wire`."""
 
     @staticmethod
@@ -232,7 +235,7 @@ class _GatherRows(torch.autograd.Function):
         return g, *[None] * 8
 
 
-class _ScatterRows(torch.autograd.Function):
+class _ScatterRows(Primitive):
     """The ragged reduce-scatter (sum) of rows in `wire`: one all_to_all of the encoded rows, summed decoded."""
 
     @staticmethod

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .._base._checks import IntLike
 from .._base._wire import unwire, wire
+from ._phase import Primitive
 
 
 def row_kernels(t: Tensor) -> ModuleType | None:
@@ -43,7 +44,7 @@ def row_kernels(t: Tensor) -> ModuleType | None:
     return _kernels
 
 
-class _PadRows(torch.autograd.Function):
+class _PadRows(Primitive):
     @staticmethod
     def forward(ctx: Any, x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
         ctx.n = x.shape[0]
@@ -54,7 +55,7 @@ class _PadRows(torch.autograd.Function):
         return grad.narrow(0, 0, ctx.n), None, None
 
 
-class _PackRows(torch.autograd.Function):
+class _PackRows(Primitive):
     @staticmethod
     def forward(
         ctx: Any, blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType
@@ -140,7 +141,7 @@ def _sources(sizes: Tensor, bound: IntLike, n_out: IntLike, device: torch.device
     return owner * bound + (k - (ends - sizes)[owner])
 
 
-class _Cut(torch.autograd.Function):
+class _Cut(Primitive):
     """The exact pack in a compiled graph, whose backward reads the block length off a saved tensor.
 
     Autograd's own backward of the pack (an index_add into zeros of the blocks'

@@ -36,6 +36,7 @@ from .._collective._header import (
     named,
     row_sizes,
 )
+from .._collective._phase import Primitive
 from .._collective._rows import from_rows, to_rows
 from ._entry import entry
 from ._spec import HEADER, REGION, plus, rows_plan
@@ -68,7 +69,7 @@ def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
     return g
 
 
-class _SplitForwardGatherBackward(torch.autograd.Function):
+class _SplitForwardGatherBackward(Primitive):
     @staticmethod
     def forward(
         ctx: Any,
@@ -98,7 +99,7 @@ class _SplitForwardGatherBackward(torch.autograd.Function):
         return from_rows(full, grad.dtype, ctx.dim), None, None, None, None, None, None
 
 
-class _GatherForwardSplitBackward(torch.autograd.Function):
+class _GatherForwardSplitBackward(Primitive):
     @staticmethod
     def forward(
         ctx: Any,

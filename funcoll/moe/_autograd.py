@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._collective._phase import Primitive
 from .._collective._rows import zero_rows_after
 
 
@@ -44,7 +45,7 @@ def with_zero_row(t: Tensor) -> Tensor:
     return zero_rows_after(t, 1)
 
 
-class Gather(torch.autograd.Function):
+class Gather(Primitive):
     """A row gather of dispatch or combine whose backward is a gather too, not a scatter into zeros.
 
     Forward: ``take(t, index, spare)``. Every row a move reads is read by at most
@@ -144,7 +145,7 @@ def take_valid(t: Tensor, index: Tensor, valid: Tensor) -> Tensor:
     return torch.nn.functional.embedding_bag(packed, t, offsets, mode="sum")[:n]
 
 
-class WeightedSum(torch.autograd.Function):
+class WeightedSum(Primitive):
     """``out[t] = sum_j weights[t, j] * rows[row_of[t, j]]``, whose backward gathers.
 
     Forward: one ``embedding_bag`` (sum, per-sample weights), as autograd's. Backward:
