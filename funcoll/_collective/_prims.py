@@ -161,10 +161,6 @@ def scale_for_op(reduce_op: str, g: Tensor, world: int) -> Tensor:
     return g / world if reduce_op == "avg" else g
 
 
-def _no_gradient_message(key: str, reduce_op: str) -> str:
-    return f"funcoll.{key}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
-
-
 def differentiable(key: str, reduce_op: str | None, grad: Tensor) -> Tensor:
     """`grad`, if a reduction by `reduce_op` has a gradient (sum, avg; None: a broadcast); else it raises.
 
@@ -178,19 +174,20 @@ def differentiable(key: str, reduce_op: str | None, grad: Tensor) -> Tensor:
     """
     if reduce_op in (None, "sum", "avg"):
         return grad
-    message = _no_gradient_message(key, reduce_op)
     if torch.compiler.is_compiling():
-        return torch.ops.funcoll.no_gradient(grad, message)
-    raise NotImplementedError(message)
+        return torch.ops.funcoll.no_gradient(grad, key, reduce_op)
+    raise NotImplementedError(
+        f"funcoll.{key}: no gradient for op={reduce_op!r}; only 'sum' and 'avg' are differentiable"
+    )
 
 
 @torch.library.custom_op("funcoll::no_gradient", mutates_args=())
-def _no_gradient(grad: Tensor, message: str) -> Tensor:
-    raise NotImplementedError(message)
+def _no_gradient(grad: Tensor, key: str, reduce_op: str) -> Tensor:
+    return differentiable(key, reduce_op, grad).clone()  # run by the compiled backward: raises
 
 
 @_no_gradient.register_fake
-def _no_gradient_fake(grad: Tensor, message: str) -> Tensor:
+def _no_gradient_fake(grad: Tensor, key: str, reduce_op: str) -> Tensor:
     return torch.empty_like(grad)
 
 
