@@ -22,11 +22,15 @@ the same count on every rank, and the step is one op:
 The two results are compared before timing.
 
 The default setting (neither on nor off) checks an op's eager calls 1, 2, 4, 8,
-... on each group. ``_bench_default`` measures what that costs a run of eager calls
-(``--steps``, 1,000 by default): each round runs them once at the default on a
-new group, whose count starts at 0, so that every one of its checks is paid, and
+... on each group, and the calls in between carry a fingerprint in their data's
+collective (``funcoll._collective._fingerprint``). ``_bench_default`` measures what
+that costs a run of eager calls (``--steps``, 1,000 by default; ``--eager-only``
+runs these rows alone): each round runs them once at the default on a new
+group, whose count starts at 0, so that every one of its checks is paid, and
 once with ``set_checks(False)`` on another new group, interleaved; a row's time
-is the median per call over rounds.
+is the median per call over rounds. all_gather's fingerprint costs a copy of its
+input and of its result, all_to_all's too, all_reduce's one of its input,
+broadcast's one of its input per receiving rank on src (it runs as an all_to_all).
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ def _bench(rank: int, world: int, kib: list[int], rounds: int, iters: int) -> li
 EAGER: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "all_gather": lambda x, g: funcoll.all_gather(x, group=g),
     "all_to_all": lambda x, g: funcoll.all_to_all(x, g, 0, 1),
+    "all_reduce": lambda x, g: funcoll.all_reduce(x, group=g),
+    "broadcast": lambda x, g: funcoll.broadcast(x, 0, group=g),
 }
 
 
@@ -135,6 +141,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5, help="fenced calls per round (median)")
     parser.add_argument("--steps", type=int, default=1000, help="eager calls per run at the default setting")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 KiB, 1 round: a smoke run")
+    parser.add_argument(
+        "--eager-only", action="store_true", help="only the eager calls at the default setting"
+    )
     args = parser.parse_args()
     if args.quick:
         args.worlds, args.kib, args.rounds, args.iters, args.steps = [2], [64], 1, 1, 16
@@ -142,7 +151,11 @@ def main() -> None:
     print("| world | op | KiB per rank | unchecked ms | checked ms | checked / unchecked | spread |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for world in args.worlds:
-        res = run_ranks(_bench, world, args.kib, args.rounds, args.iters, timeout=3600)
+        res = (
+            [[]]
+            if args.eager_only
+            else run_ranks(_bench, world, args.kib, args.rounds, args.iters, timeout=3600)
+        )
         eager = run_ranks(_bench_default, world, args.kib, args.rounds, args.steps, timeout=3600)
         for row in res[0] + eager[0]:
             lo, hi = row["spread"]

@@ -29,8 +29,9 @@ Families (each one's own script documents its methods):
   tokens per rank (its bf16 grouped GEMMs on the CPU take seconds past that);
 - ``checked`` (``bench_checked.py``): a compiled gather and all_gather with
   ``funcoll.set_checks(True)`` against the same step unchecked; and 1,000 eager
-  all_gathers and all_to_alls at the default setting (calls 1, 2, 4, ... checked),
-  impl ``default``, against the same calls with ``set_checks(False)``;
+  all_gathers, all_to_alls, all_reduces and broadcasts at the default setting (calls
+  1, 2, 4, ... checked, the others fingerprinted), impl ``default``, against the same
+  calls with ``set_checks(False)``;
 - ``overlap`` (``bench_overlap.py``): a step that issues a collective, runs
   independent work (a sleeping custom op, or a matmul), then reads the result:
   the fraction of the collective it hides and its time against funcol's same

@@ -129,7 +129,9 @@ def test_quick_run_writes_records_and_plots(scripts: dict[str, Script]) -> None:
     assert sent == {"exact": 1.0, "int8": (1 + 4 / 128) / 4, "fp8": (1 + 4 / 128) / 4, "bf16": 0.5}, sent
     checked = {(r["layout"], r["impl"]) for r in data["records"] if r["family"] == "checked"}
     assert checked == {(op, c) for op in ("gather", "all_gather") for c in ("checked", "unchecked")} | {
-        (f"{op} eager, 16 calls", c) for op in ("all_gather", "all_to_all") for c in ("default", "unchecked")
+        (f"{op} eager, 16 calls", c)
+        for op in ("all_gather", "all_to_all", "all_reduce", "broadcast")
+        for c in ("default", "unchecked")
     }
 
 

@@ -171,6 +171,130 @@ DEFAULT_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
         ["funcoll.moe.dispatch:", "the static capacity", "rank 0: 4", "rank 1: 6"],
     ),
 }
+
+
+# The default's unchecked calls carry a fingerprint in their data's collective. Each mistake
+# below is made on call 3 of a new group (calls 1 and 2, which agree, are checked), and
+# keeps every rank's buffer large enough for what arrives (the same bytes meaning other
+# things, or a broadcast into a larger buffer): unfingerprinted, gloo returned such a call's
+# bytes as wrong data on some rank and went on. (A rank whose buffer is too small for a
+# peer's data is aborted by gloo itself, which no test here can survive.)
+def _third(call: Callable[[torch.Tensor, Any], Any], agreeing: torch.Tensor, mine: torch.Tensor) -> Any:
+    g = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
+    for _ in range(2):
+        funcoll.wait(call(agreeing, g))
+    return funcoll.wait(call(mine, g))
+
+
+def _later(
+    call: Callable[[torch.Tensor, Any], Any],
+    rows: tuple[int, ...],
+    last: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+) -> Callable[[int, int], Any]:
+    """The case: `call` of zeros shaped `rows` (times world where a 0 stands), the last rank's `last`."""
+
+    def case(r: int, w: int) -> Any:
+        def z(shape: tuple[int, ...], dt: torch.dtype = torch.float32) -> torch.Tensor:
+            return _z(*(n or w for n in shape), dtype=dt)
+
+        mine = z(last, dtype or torch.float32) if _last(r, w) else z(rows)
+        return _third(call, z(rows), mine)
+
+    return case
+
+
+FINGERPRINT = ["ranks disagree on this call", "fingerprint", "funcoll.set_checks(True)"]
+LATER_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
+    "all_gather-shape-same-bytes": (
+        _later(lambda x, g: funcoll.all_gather(x, group=g), (3, 4), (2, 6)),
+        ["funcoll.all_gather:"],
+    ),
+    "all_gather-dtype-same-bytes": (
+        _later(lambda x, g: funcoll.all_gather(x, group=g), (2, 3), (2, 3), torch.int32),
+        ["funcoll.all_gather:"],
+    ),
+    "all_gather_into_tensor-shape": (
+        _later(lambda x, g: funcoll.all_gather_into_tensor(x, group=g), (6,), (2, 3)),
+        ["funcoll.all_gather_into_tensor:"],
+    ),
+    "all_reduce-shape": (
+        _later(lambda x, g: funcoll.all_reduce(x, group=g), (3, 4), (4, 3)),
+        ["funcoll.all_reduce:"],
+    ),
+    "all_reduce-0d-shape": (
+        _later(lambda x, g: funcoll.all_reduce(x, group=g), (), (1,)),
+        ["funcoll.all_reduce:"],
+    ),
+    "all_reduce-op": (
+        lambda r, w: _third(
+            lambda x, g: funcoll.all_reduce(x, op="max" if _last(r, w) and x.dim() == 2 else "sum", group=g),
+            _z(3),
+            _z(1, 3),
+        ),
+        ["funcoll.all_reduce:"],
+    ),
+    "reduce_scatter-shape": (
+        _later(lambda x, g: funcoll.reduce_scatter(x, group=g), (0, 6), (0, 2, 3)),
+        ["funcoll.reduce_scatter:"],
+    ),
+    "all_to_all-shape": (
+        _later(lambda x, g: funcoll.all_to_all(x, g, 0, 0), (0, 2, 3), (0, 3, 2)),
+        ["funcoll.all_to_all:"],
+    ),
+    "ppermute-shape": (
+        lambda r, w: _third(
+            lambda x, g: funcoll.ppermute(x, [(i, (i + 1) % w) for i in range(w)], group=g),
+            _z(3, 4),
+            _z(2, 6) if _last(r, w) else _z(3, 4),
+        ),
+        ["funcoll.ppermute:"],
+    ),
+    "broadcast-shape": (
+        _later(lambda x, g: funcoll.broadcast(x, 0, group=g), (2, 3), (3, 3)),
+        ["funcoll.broadcast:"],
+    ),
+    "reduce-dtype": (
+        _later(lambda x, g: funcoll.reduce(x, 0, group=g), (4,), (4,), torch.int32),
+        ["funcoll.reduce:"],
+    ),
+}
+
+
+def _unchecked_calls(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    """Eight agreeing calls of each op on a new group (3, 5, 6 and 7 fingerprinted), waited."""
+    x = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    ring = [(i, (i + 1) % world) for i in range(world)]
+    calls: dict[str, Callable[[Any], Any]] = {
+        "all_gather": lambda g: funcoll.all_gather(x, group=g),
+        "all_gather-dim1-stacked": lambda g: funcoll.all_gather(x, 1, group=g, tiled=False),
+        "all_gather-bf16": lambda g: funcoll.all_gather(x.bfloat16(), group=g),
+        "all_gather-complex": lambda g: funcoll.all_gather(torch.complex(x, -x), group=g),
+        "all_gather-no-rows": lambda g: funcoll.all_gather(x[:0], group=g),
+        "all_gather_into_tensor": lambda g: funcoll.all_gather_into_tensor(x, group=g),
+        "all_reduce-sum": lambda g: funcoll.all_reduce(x, group=g),
+        "all_reduce-avg": lambda g: funcoll.all_reduce(x, op="avg", group=g),
+        "all_reduce-max": lambda g: funcoll.all_reduce(x, op="max", group=g),
+        "all_reduce-min": lambda g: funcoll.all_reduce(x, op="min", group=g),
+        "all_reduce-product": lambda g: funcoll.all_reduce(x + 1, op="product", group=g),
+        "all_reduce-int64": lambda g: funcoll.all_reduce(x.long(), group=g),
+        "all_reduce-bool": lambda g: funcoll.all_reduce(x.long() % 3 == 0, group=g),
+        "all_reduce-0d": lambda g: funcoll.all_reduce(x.sum(), group=g),
+        "reduce_scatter": lambda g: funcoll.reduce_scatter(torch.arange(2.0 * world) + rank, group=g),
+        "all_to_all": lambda g: funcoll.all_to_all(
+            torch.arange(2.0 * world).reshape(world, 2) + 10 * rank, g, 0, 1
+        ),
+        "ppermute": lambda g: funcoll.ppermute(x, ring, group=g),
+        "broadcast": lambda g: funcoll.broadcast(x, world - 1, group=g),
+        "reduce": lambda g: funcoll.reduce(x, 0, group=g),
+    }
+    out = {}
+    for name, call in calls.items():
+        g = torch.distributed.new_group(list(range(world)))
+        out[name] = [funcoll.wait(call(g)) for _ in range(8)]
+    return out
+
+
 CALLS = 20  # calls 1, 2, 4, 8 and 16 are checked by default
 SCHEDULE = [n for n in range(1, CALLS + 1) if n & (n - 1) == 0]
 
@@ -202,6 +326,8 @@ def _raised(
 
 def _default(rank: int, world: int) -> dict[str, Any]:
     out = _raised(DEFAULT_MISTAKES, rank, world)
+    out.update(_raised(LATER_MISTAKES, rank, world))
+    out["unchecked"] = _unchecked_calls(rank, world)
     # Ulysses both ways on that sequence, with the sizes: the global result, heads split
     s_sizes, h_sizes = funcoll.split_sizes(2 * world + 1, world), funcoll.split_sizes(world + 1, world)
     q = torch.arange(float(s_sizes[rank] * (world + 1))).reshape(1, s_sizes[rank], world + 1, 1) + 100 * rank
@@ -294,6 +420,63 @@ def test_by_default_the_first_call_raises_on_every_rank(world: int, cid: str) ->
     """No set_checks: the mistakes that abort a rank unchecked raise funcoll's ValueError on every rank."""
     results = batch(world)
     _every_rank_raised([results[r]["default"][cid] for r in range(world)], DEFAULT_MISTAKES[cid][1])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("cid", list(LATER_MISTAKES))
+def test_by_default_an_unchecked_call_that_disagrees_raises_on_every_rank(world: int, cid: str) -> None:
+    """Call 3 (unchecked) disagrees: its fingerprint raises funcoll's ValueError on every rank, no data returned."""
+    results = batch(world)
+    _every_rank_raised(
+        [results[r]["default"][cid] for r in range(world)], [*LATER_MISTAKES[cid][1], *FINGERPRINT]
+    )
+
+
+def _unchecked_references(world: int) -> dict[str, torch.Tensor]:
+    xs = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]
+    return {
+        "all_gather": torch.cat(xs),
+        "all_gather-dim1-stacked": torch.stack(xs, 1),
+        "all_gather-bf16": torch.cat([x.bfloat16() for x in xs]),
+        "all_gather-complex": torch.cat([torch.complex(x, -x) for x in xs]),
+        "all_gather-no-rows": torch.zeros(0, 3),
+        "all_gather_into_tensor": torch.stack(xs),
+        "all_reduce-sum": sum(xs),
+        "all_reduce-avg": sum(xs) / world,
+        "all_reduce-max": torch.stack(xs).amax(0),
+        "all_reduce-min": torch.stack(xs).amin(0),
+        "all_reduce-product": torch.stack([x + 1 for x in xs]).prod(0),
+        "all_reduce-int64": sum(x.long() for x in xs),
+        "all_reduce-bool": torch.stack([x.long() % 3 == 0 for x in xs]).any(0),
+        "all_reduce-0d": torch.stack([x.sum() for x in xs]).sum(),
+        "reduce_scatter": sum(torch.arange(2.0 * world) + i for i in range(world)),
+        "broadcast": xs[-1],
+        "reduce": sum(xs),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_by_default_unchecked_calls_that_agree_get_the_reference(world: int) -> None:
+    """Calls 1-8 of every even op on a new group (3, 5, 6, 7 fingerprinted): the single-process result."""
+    results = batch(world)
+    refs = _unchecked_references(world)
+    xs = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]
+    for r in range(world):
+        got = results[r]["default"]["unchecked"]
+        mine = dict(refs)
+        mine["reduce_scatter"] = refs["reduce_scatter"][2 * r : 2 * r + 2]
+        mine["all_to_all"] = torch.stack(
+            [a[r] for a in [torch.arange(2.0 * world).reshape(world, 2) + 10 * i for i in range(world)]], 0
+        ).reshape(1, -1)
+        mine["ppermute"] = xs[(r - 1) % world]
+        mine["reduce"] = refs["reduce"] if r == 0 else torch.zeros(2, 3)
+        for name, values in got.items():
+            assert len(values) == 8, name
+            for call, y in enumerate(values, 1):
+                assert type(y) is torch.Tensor, (name, call, type(y))
+                torch.testing.assert_close(
+                    y, mine[name], rtol=0, atol=0, msg=f"rank {r}, {name}, call {call}"
+                )
 
 
 @pytest.mark.parametrize("world", WORLDS)

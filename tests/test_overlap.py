@@ -156,7 +156,10 @@ def _body(rank: int, world: int) -> dict[str, Any]:
                 "pending": pending,
                 "type": type(y).__name__,
                 # the collective's own output, no view of it taken (each a Python dispatch)
-                "as_arrived": isinstance(y, Pending) and y.elem is y.ticket.output,
+                # (or, on a call the default leaves unchecked, the fingerprinted collective's
+                # result tensor, made beside its output: no view of the pending result either)
+                "as_arrived": isinstance(y, Pending)
+                and (y.elem is y.ticket.output or (y.ticket.sent is not None and y.elem is y.ticket.result)),
                 "y": y.clone(),
                 "left": in_flight(),
             }  # clone reads y

@@ -14,7 +14,10 @@ Three settings:
   dtype that differs between ranks) show on the first calls, and steady state
   pays for log2(calls) checks: 10 in 1,000 calls. Every rank counts the same calls
   of the same op on the same group, so every rank checks the same calls and the
-  extra exchanges pair up. Compiled code is not checked by default (a check in a
+  extra exchanges pair up. The calls in between carry a fingerprint of the call
+  in their data's own collective when their payload is on the CPU
+  (:mod:`funcoll._collective._fingerprint`): ranks that disagree there raise the
+  same kind of ``ValueError`` before any rank hands out the data. Compiled code is not checked by default (a check in a
   graph would run on every call), and once a compiled graph holding such an op
   has run, no eager call is either: a rank whose frame falls back to eager
   (dynamo's recompile limit) must issue what the compiled ranks issue;
@@ -54,7 +57,7 @@ from types import TracebackType
 
 import torch
 
-__all__ = ["check_due", "checks_enabled", "set_checks"]
+__all__ = ["check_due", "checks_enabled", "fingerprints", "set_checks"]
 
 # True: every call; False: none; None: the default, eager calls 1, 2, 4, 8, ... (check_due).
 _enabled: bool | None = {"1": True, "0": False}.get(os.environ.get("FUNCOLL_CHECKS", ""))
@@ -71,6 +74,16 @@ def checks_enabled() -> bool:
     calls 4, 8, 16, ... (see :func:`funcoll.set_checks`), and with checks off.
     """
     return _enabled is True
+
+
+def fingerprints() -> bool:
+    """Whether an eager call that :func:`check_due` leaves unchecked sends a fingerprint with its data.
+
+    At the default setting, until the process first runs a compiled graph holding a
+    checkable op: after that, a rank whose frame falls back to eager must send
+    exactly what the compiled ranks send (``funcoll._collective._fingerprint``).
+    """
+    return _enabled is None and not _compiled
 
 
 def check_due(key: str, group_name: str) -> bool:

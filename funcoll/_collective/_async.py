@@ -43,10 +43,12 @@ _view = torch.ops.aten.view.default
 class _Ticket:
     """One issued collective: its output, whether it was waited, and what to name if it failed."""
 
-    __slots__ = ("__weakref__", "collective", "done", "group_name", "op", "output", "step")
+    __slots__ = ("__weakref__", "collective", "done", "group_name", "op", "output", "result", "sent", "step")
 
-    def __init__(self, output: Tensor, op: str, collective: str, group_name: str, step: str) -> None:
-        self.output, self.done = output, False
+    def __init__(
+        self, output: Tensor, op: str, collective: str, group_name: str, step: str, sent: Any = None
+    ) -> None:
+        self.output, self.done, self.sent, self.result = output, False, sent, None
         self.op, self.collective, self.group_name, self.step = op, collective, group_name, step
 
     def wait(self) -> None:
@@ -58,6 +60,10 @@ class _Ticket:
                 _wait_tensor(self.output)
         except RuntimeError as e:
             raise _faults.failed(self.collective, self.group_name, self.step, e, op=self.op) from e
+        if self.sent is not None:  # a fingerprinted collective: checked (ValueError) before any read
+            sent, result, self.sent, self.result = self.sent, self.result, None, None
+            with torch._C._AutoDispatchBelowAutograd():
+                sent.complete(self.output, into=result)
         self.output = None  # type: ignore[assignment]  # the values live on in the views' elems
 
     def __del__(self) -> None:
@@ -67,7 +73,7 @@ class _Ticket:
         # A failure here has no caller to raise to: it is a warning naming the op.
         try:
             self.wait()
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             warnings.warn(f"{e} (its result was never read)", RuntimeWarning, stacklevel=1)
 
 
@@ -213,17 +219,24 @@ def defers(output: Tensor, group_name: str) -> Literal["defer", "serial"] | None
     return "defer" if os.environ.get("FUNCOLL_GLOO_DEFER") == "1" else "serial"
 
 
-def defer(output: Tensor, collective: str, group_name: str, step: str, serial: bool = False) -> Tensor:
+def defer(
+    output: Tensor, collective: str, group_name: str, step: str, serial: bool = False, sent: Any = None
+) -> Tensor:
     """`output` of a collective just issued, as a :class:`Pending` that waits at first use.
 
     The funcoll op to name if the wait fails is read now, while the op (or the
     backward of one) is still running. `serial`: also waited before funcoll's
-    next eager collective (:func:`drain`).
+    next eager collective (:func:`drain`). `sent`: the collective carries a
+    fingerprint (:class:`funcoll._collective._fingerprint.Sent`): the result is its
+    placeholder, checked and filled by the wait.
     """
-    ticket = _Ticket(output, _faults.current_op(), collective, group_name, step)
+    ticket = _Ticket(output, _faults.current_op(), collective, group_name, step, sent)
     if serial:
         _serial.add(ticket)
-    return Pending(output, ticket)
+    if sent is None:
+        return Pending(output, ticket)
+    ticket.result = sent.placeholder(output)
+    return Pending(ticket.result, ticket)
 
 
 def wait(tree: Any) -> Any:

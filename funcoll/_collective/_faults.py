@@ -34,13 +34,27 @@ import torch
 
 from .._base._config import checks_enabled
 
-__all__ = ["checked_wait", "current_op", "failed", "public_op", "remember", "traced_op"]
+__all__ = [
+    "checked_wait",
+    "current_op",
+    "failed",
+    "mark_unchecked",
+    "public_op",
+    "remember",
+    "traced_op",
+    "unchecked",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # The public op now running in eager code (the outermost one: an op built on
 # another, like the region ops on gather, reports its own name).
 _OP: ContextVar[str | None] = ContextVar("funcoll_op", default=None)
+
+# What the eager op now running was called with, if that call exchanged no header at
+# the default setting (``mark_unchecked``): its data collectives then carry a
+# fingerprint of it (``_fingerprint``). Reset with `_OP` when the outermost op returns.
+_UNCHECKED: ContextVar[tuple[str, str] | None] = ContextVar("funcoll_unchecked", default=None)
 
 # The public ops being traced, outermost first, under set_checks(True) only. Dynamo
 # tracks the appends and pops as side effects of the traced frame (the list is
@@ -71,10 +85,11 @@ def public_op(name: str) -> Callable[[_F], _F]:
                     _TRACED.pop()
             if _OP.get() is not None:
                 return fn(*args, **kwargs)
-            token = _OP.set(name)
+            token, unchecked = _OP.set(name), _UNCHECKED.set(None)
             try:
                 return fn(*args, **kwargs)
             finally:
+                _UNCHECKED.reset(unchecked)
                 _OP.reset(token)
 
         op.funcoll_op = name  # type: ignore[attr-defined]  # what tests/test_specs.py looks for
@@ -87,6 +102,24 @@ def remember(ctx: Any) -> None:
     """Keep the running op's name on an autograd node (`ctx`), for its backward's failures."""
     if not torch.compiler.is_compiling():
         ctx.funcoll_op = _OP.get()
+
+
+def mark_unchecked(call: str, shown: str) -> None:
+    """Say that the eager op now running checks nothing across ranks on this call (the default's unchecked calls).
+
+    `call` is what the header would have compared (the op's arguments that must
+    agree, as text), `shown` how an error shows this rank's call. Every rank of the
+    group makes the same call unchecked (``check_due`` counts alike), so every
+    rank's data collectives of this call carry a fingerprint, or none do. Outside
+    an op (a backward) it does nothing.
+    """
+    if _OP.get() is not None:
+        _UNCHECKED.set((call, shown))
+
+
+def unchecked() -> tuple[str, str] | None:
+    """What the eager op now running passed to :func:`mark_unchecked` on this call, None if it did not."""
+    return _UNCHECKED.get()
 
 
 def traced_op() -> str:

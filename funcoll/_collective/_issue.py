@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .._base._config import checks_enabled
 from .._base._group import wire_name
-from . import _async, _faults
+from . import _async, _faults, _fingerprint
 from ._phase import in_phase
 
 __all__ = ["ALIAS_WAIT", "gather_rows", "run"]
@@ -41,6 +41,7 @@ def run(
     *,
     defer: bool = True,
     wire: str | None = None,
+    sent: _fingerprint.Sent | None = None,
 ) -> Tensor:
     """Issue one collective; its result, waited for at first use (eager) or by the graph's wait.
 
@@ -84,10 +85,11 @@ def run(
             out = issue(x, group_name)
             how = _async.defers(out, group_name) if defer else None  # on gloo: _async.defers
             if how is None:
-                return _F.wait_tensor(out)
+                out = _F.wait_tensor(out)
+                return out if sent is None else sent.complete(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e
-    return _async.defer(out, collective, group_name, step, serial=how == "serial")
+    return _async.defer(out, collective, group_name, step, serial=how == "serial", sent=sent)
 
 
 def gather_rows(rows: Tensor, group_name: str, world: int, step: str) -> Tensor:

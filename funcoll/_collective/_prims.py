@@ -46,7 +46,8 @@ from .._base._config import checks_enabled
 from .._base._group import wire_name
 from .._base._strategy import all_equal, common_rows, resolve
 from .._base._sym import Stats, max_of
-from . import _faults, _issue
+from . import _faults, _fingerprint, _issue
+from ._async import Pending
 from ._header import check_collective
 from ._phase import Primitive
 from ._rows import cut_padding, pad_rows
@@ -63,6 +64,8 @@ def _run(
     *,
     defer: bool = True,
     splits: tuple[Sequence[IntLike], Sequence[IntLike]] | None = None,
+    reduce_op: str | None = None,
+    root: int | None = None,
 ) -> Tensor:
     """Issue one collective through :func:`funcoll._collective._issue.run`, checked first under checks.
 
@@ -73,11 +76,27 @@ def _run(
     ranks whose next collectives differ raise the same ``ValueError`` instead of
     pairing them. In a compiled graph the check and the collective run under the
     one group name :func:`funcoll._base._group.wire_name` gives this collective.
+    On an eager call that the default setting leaves unchecked
+    (:func:`funcoll._collective._faults.unchecked`) the payload carries a fingerprint
+    (:mod:`funcoll._collective._fingerprint`; `reduce_op` is a reduction's op, `root` a
+    broadcast's src).
     """
     wire = wire_name(group_name) if torch.compiler.is_compiling() else None
     if defer and checks_enabled():
         x = check_collective(collective, wire or group_name, x, splits)
+    call = _faults.unchecked() if defer and wire is None else None
+    if call is not None:  # a default, unchecked eager call: fingerprinted
+        world, rank = _rank_of(group_name)
+        sent = _fingerprint.pack(collective, group_name, x, issue, call, world, rank, splits, reduce_op, root)
+        if sent is not None:
+            return _issue.run(collective, group_name, sent.payload, sent.issue, step, sent=sent)
     return _issue.run(collective, group_name, x, issue, step, defer=defer, wire=wire)
+
+
+def _rank_of(group_name: str) -> tuple[int, int]:
+    """(world, rank) of the group `group_name`."""
+    pg = torch._C._distributed_c10d._resolve_process_group(group_name)
+    return pg.size(), pg.rank()
 
 
 def ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
@@ -118,7 +137,7 @@ def _avg_as_sum(
 ) -> Tensor:
     """Run a reducing collective on `x`; avg runs as sum / world (not every backend has avg)."""
     o = "sum" if reduce_op == "avg" else reduce_op
-    y = _run(collective, group_name, x.contiguous(), lambda t, g: issue(t, o, g))
+    y = _run(collective, group_name, x.contiguous(), lambda t, g: issue(t, o, g), reduce_op=o)
     return y / world if reduce_op == "avg" else y
 
 
@@ -316,7 +335,7 @@ class _Broadcast(Primitive):
     def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
         _faults.remember(ctx)
         ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
-        return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g))
+        return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g), root=src)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -336,6 +355,8 @@ class _Reduce(Primitive):
         ctx.reduce_op, ctx.dst, ctx.group_name, ctx.world, ctx.rank = reduce_op, dst, group_name, world, rank
         # c10d's functional ops have no reduce: an all_reduce, whose result only dst keeps.
         total = _all_reduce_impl(x, reduce_op, group_name, world)
+        if rank != dst and isinstance(total, Pending) and total.ticket.sent is not None:
+            total.ticket.wait()  # a fingerprinted call: checked here, as dst checks it at its first read
         return total if rank == dst else x.new_zeros(x.shape)  # contiguous, whatever x's strides
 
     @staticmethod
@@ -361,7 +382,9 @@ class _Replicate(Primitive):
         _faults.remember(ctx)
         ctx.reduce_op, ctx.world = reduce_op, world
         if reduce_op is None:
-            return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g))
+            return _run(
+                "broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g), root=src
+            )
         return _all_reduce_impl(x, reduce_op, group_name, world)
 
     @staticmethod
