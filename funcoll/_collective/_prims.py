@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .._base._checks import IntLike
 from .._base._config import checks_enabled
-from .._base._group import wire_name
+from .._base._group import rank_of, size_of, wire_name
 from .._base._strategy import all_equal, common_rows, resolve
 from .._base._sym import Stats, max_of
 from . import _faults, _fingerprint, _issue
@@ -86,17 +86,11 @@ def _run(
         x = check_collective(collective, wire or group_name, x, splits)
     call = _faults.unchecked() if defer and wire is None else None
     if call is not None:  # a default, unchecked eager call: fingerprinted
-        world, rank = _rank_of(group_name)
+        world, rank = size_of(group_name), rank_of(group_name)
         sent = _fingerprint.pack(collective, group_name, x, issue, call, world, rank, splits, reduce_op, root)
         if sent is not None:
             return _issue.run(collective, group_name, sent.payload, sent.issue, step, sent=sent)
     return _issue.run(collective, group_name, x, issue, step, defer=defer, wire=wire)
-
-
-def _rank_of(group_name: str) -> tuple[int, int]:
-    """(world, rank) of the group `group_name`."""
-    pg = torch._C._distributed_c10d._resolve_process_group(group_name)
-    return pg.size(), pg.rank()
 
 
 def ctx_ints(sizes: Sequence[IntLike]) -> list[IntLike]:
