@@ -35,6 +35,16 @@ asserts): the exchange then runs twice on that rank. Headers are built by
 an effect token through such ops, the forward's from the forward graph's inputs
 and the backward's from the backward's, so a header and what reads it stay in
 the graph of their phase, in program order, on every rank.
+
+A forward collective whose inputs the backward holds anyway (saved values) is
+copied into the backward graph by the partitioner too, and kept there, since its
+wait is a side effect; AOT autograd then rebuilds the backward from its first
+node that reads a tangent and drops copies nothing needs. On torch before 2.14
+inductor folds a loss's ``* 0`` into a constant gradient before partitioning, so
+on that rank no node reads a tangent, the rebuild is skipped and the copies run:
+its forward collectives a second time, on that rank alone. Every compiled funcoll
+backward there starts with :func:`_anchor`, an ordered effect whose token AOT
+autograd passes as a tangent.
 """
 
 from __future__ import annotations
@@ -51,6 +61,9 @@ from torch._library.effects import EffectType
 __all__ = ["Primitive", "in_phase"]
 
 _ANNOTATION = {"funcoll": "backward"}
+# torch 2.12 and 2.13 (2.11 too: the same pass) fold a loss's ``* 0`` into its
+# gradient before partitioning; 2.14.1 and 2.15 keep the product (see _anchor).
+_ANCHOR = torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
 
 
 @torch.compiler.assume_constant_result
@@ -73,6 +86,27 @@ def _must_be_in_backward() -> bool:
     return False
 
 
+def _anchor(grads: tuple[Any, ...]) -> None:
+    """Give the compiled backward a node that reads a backward input: an ordered effect's token.
+
+    After partitioning, AOT autograd rebuilds the backward graph from its first
+    node that reads a tangent (``reordering_to_mimic_autograd_engine``), which
+    drops the forward nodes the partitioner copied in and nothing needs. Where no
+    node reads a tangent (inductor folded the loss's ``* 0`` into a constant
+    gradient) the graph stays as extracted, and the copies stay with it: a
+    forward collective whose payload the backward can compute from saved values
+    (torchtitan's MoE layer saves its routing ids) runs a second time, on that
+    rank alone, because its wait is a side effect that dead-code elimination
+    keeps. A backward's ordered effect reads the backward's token, which AOT
+    autograd passes as a tangent, so the rebuild runs whatever the gradients are.
+    In every funcoll backward, so the first backward collective follows one:
+    ``funcoll::header`` on one byte of the gradients' device, the same op as the
+    headers' (about 10 us of host time per backward op; no collective, no sync).
+    """
+    device = next((g.device for g in grads if isinstance(g, Tensor)), torch.device("cpu"))
+    torch.ops.funcoll.header(torch.zeros(1, dtype=torch.uint8, device=device))
+
+
 def _in_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(backward)
     def traced(ctx: Any, *grads: Any) -> Any:
@@ -80,6 +114,8 @@ def _in_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             return backward(ctx, *grads)
         with fx_traceback.annotate(_ANNOTATION):
             _must_be_in_backward()
+            if _ANCHOR:
+                _anchor(grads)
             return backward(ctx, *grads)
 
     return traced
