@@ -2,20 +2,70 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import os
 import platform
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import funcoll
+
+LINK_ENV = "FUNCOLL_BENCH_LINK"  # set inside the re-executed command: the rate it runs under
+
+
+def add_link_argument(parser: argparse.ArgumentParser) -> None:
+    """``--link RATE``: the ranks' bytes cross a loopback rate-limited to RATE (see :func:`on_link`)."""
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        help="run under netlink RATE (tc units): the ranks' loopback limited to RATE, so a byte costs "
+        "what a link charges; 7gbit stands for NVLink on this machine, 700mbit for InfiniBand",
+    )
+
+
+def netlink_tool() -> str:
+    """The ``netlink`` script: ``$FUNCOLL_NETLINK``, else ``../shared/tools/netlink`` beside the repository, else PATH."""
+    repo = Path(__file__).resolve().parents[1]
+    for candidate in (os.environ.get("FUNCOLL_NETLINK"), str(repo.parent / "shared" / "tools" / "netlink")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("netlink")
+    if found is None:
+        raise SystemExit(
+            "--link: no netlink script (looked at $FUNCOLL_NETLINK, ../shared/tools/netlink and PATH); "
+            "it needs root (unshare, tc)"
+        )
+    return found
+
+
+def on_link(rate: str | None) -> str:
+    """Run this command on the link `rate` names, re-executing it under ``netlink`` once; the header line.
+
+    ``netlink RATE -- cmd`` runs `cmd` in a network namespace of its own whose
+    loopback carries a token-bucket rate limit (tc), so gloo ranks started inside
+    it pay for every byte they move, all ranks sharing the one link. On a plain
+    loopback a byte costs a memcpy, as much as the packing, padding and
+    quantizing around a collective, so loopback figures weigh this CPU's copies,
+    not the bytes a design moves. `rate` None: the plain loopback.
+    """
+    if rate is None:
+        return "link: loopback (no rate limit: a byte costs a memcpy)"
+    if os.environ.get(LINK_ENV) != rate:  # not inside yet: the same command, under netlink
+        tool = netlink_tool()
+        sys.stdout.flush()
+        os.execve(tool, [tool, rate, "--", sys.executable, *sys.argv], {**os.environ, LINK_ENV: rate})
+    return f"link: {rate} (netlink: the ranks' bytes cross one loopback rate-limited to {rate})"
 
 
 def _sync() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -144,7 +144,9 @@ def main() -> None:
     parser.add_argument(
         "--eager-only", action="store_true", help="only the eager calls at the default setting"
     )
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     if args.quick:
         args.worlds, args.kib, args.rounds, args.iters, args.steps = [2], [64], 1, 1, 16
     print(f"torch {torch.__version__}, gloo on CPU, compiled (inductor), rows of {ROW} float32")

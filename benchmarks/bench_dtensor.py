@@ -36,7 +36,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
 from funcoll._base._dtensor import chunk_sizes, moves
@@ -118,7 +118,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mb", type=int, default=32)
     parser.add_argument("--iters", type=int, default=7)
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     print(
         "| world | job | baseline | baseline ms | baseline MB sent | funcoll MB sent | bytes ratio | time ratio |"
     )

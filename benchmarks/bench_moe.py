@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
 from funcoll import moe, testing
@@ -267,7 +267,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3, help="fenced steps per round (median)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 tokens, 1 round: a smoke run")
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     if args.quick:
         args.worlds, args.tokens, args.rounds, args.iters = [2], [64], 1, 1
     print(

@@ -68,7 +68,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _timing import fenced_median, reusing_memory  # benchmarks/, beside this script
+from _timing import (  # benchmarks/, beside this script
+    add_link_argument,
+    fenced_median,
+    on_link,
+    reusing_memory,
+)
 
 import funcoll
 from funcoll.testing import gloo_worker_threads, run_ranks
@@ -316,7 +321,9 @@ def main() -> None:
         "--defer-all", action="store_true", help="FUNCOLL_GLOO_DEFER=1: collectives in flight together"
     )
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 1 round, eager: a smoke run")
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     if args.quick:
         args.worlds, args.mib, args.rounds, args.iters, args.modes = [2], 1.0, 1, 1, ["eager"]
     threads = "torch's 2" if args.gloo_threads is None else args.gloo_threads

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -131,7 +131,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mb", type=float, default=64, help="MB gathered in all (0.125: 64 KiB a rank on 2)")
     parser.add_argument("--iters", type=int, default=9)
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     print(f"torch {torch.__version__}, gloo on CPU, {args.mb} MB gathered, float32 rows of {ROW}")
     for world in args.worlds:
         res = run_ranks(_bench, world, args.mb, args.iters, timeout=1800)[0]

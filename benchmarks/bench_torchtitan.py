@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import fenced_median, reusing_memory
+from _timing import add_link_argument, fenced_median, on_link, reusing_memory
 
 import funcoll
 from funcoll import Wire, testing
@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each rank keeps its freed host memory for reuse (_timing.reuse_freed_memory)",
     )
+    add_link_argument(parser)
     args = parser.parse_args(argv)
+    print(on_link(args.link))
     print(
         "| experts | world | T | method | step ms | vs titan (range) | host reads | overflows |\n"
         "|---|---|---|---|---|---|---|---|"

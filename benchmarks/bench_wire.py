@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _timing import fenced_median  # benchmarks/, beside this script
+from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
 from funcoll import Wire
@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=5, help="fenced calls per round (median)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 KiB, 1 round, eager: a smoke run")
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     modes = ["eager", "compiled"]
     if args.quick:
         args.worlds, args.kib, args.rounds, args.iters, modes = [2], [64], 1, 1, ["eager"]

@@ -1,8 +1,8 @@
 """Every benchmark family in one command: one JSON of results, one plot per family, the ratio tables.
 
 Run: ``python benchmarks/run.py [--families gather sweep dtensor moe checked overlap wire row_kernels]
-[--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--reuse-memory] [--out docs/results] [--quick]
-[--replot]``
+[--worlds 2 4] [--backend gloo|nccl] [--device cpu|cuda] [--reuse-memory] [--link RATE] [--out docs/results]
+[--quick] [--replot]``
 
 Families (each one's own script documents its methods):
 
@@ -64,6 +64,16 @@ whole tensor over the time for an all-gather (the output) or a reduce-scatter
 across world sizes; the other families plot payload over time. ``--quick`` runs
 one small size on 2 ranks, one round: a smoke run (the suite runs it), not a
 measurement.
+
+``--link RATE`` runs the families where bytes cost what a network charges: the
+command re-executes itself under ``../shared/tools/netlink RATE`` (``_timing.on_link``;
+root, unshare and tc), whose loopback is rate-limited, so every byte the ranks
+move is paid for. On a plain loopback a byte costs a memcpy, the same as the
+packing, padding and quantizing around a collective, and the figures weigh this
+CPU's copies. On this machine (about 9 GB/s of copy on one thread) ``7gbit``
+stands for an NVLink-class link and ``700mbit`` for an InfiniBand-class one. The
+header line and the JSON's meta name the link; the results go to
+``docs/results/link-RATE`` unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
@@ -94,7 +104,7 @@ import bench_row_kernels
 import bench_torchtitan
 import bench_wire
 import sweep_ragged
-from _timing import reusing_memory
+from _timing import add_link_argument, on_link, reusing_memory
 
 from funcoll.testing import run_ranks
 
@@ -384,7 +394,7 @@ def _point(r: Record, what: str) -> float | None:
     return r["seconds"] if what == "seconds" else r.get("busbw_gbps", r["bytes"] / r["seconds"] / 1e9)
 
 
-def _plot(records: list[Record], family: str, path: Path) -> bool:
+def _plot(records: list[Record], family: str, path: Path, link: str = "loopback") -> bool:
     """Time and bandwidth against the message size, a panel per world and layout, one legend below."""
     try:
         import matplotlib
@@ -415,7 +425,7 @@ def _plot(records: list[Record], family: str, path: Path) -> bool:
                 xy = [(x, y) for x, y in xy if y is not None]
                 if xy:
                     axes[row][col].plot([x for x, _ in xy], [y for _, y in xy], **style[impl])
-        axes[0][col].set_title(f"{family}: world {p[0]}, {p[1]}")
+        axes[0][col].set_title(f"{family}: world {p[0]}, {p[1]} ({link})")
         axes[-1][col].set_xlabel(_X_LABEL[family])
         for row, (_, label) in enumerate(rows):
             ax = axes[row][col]
@@ -439,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
+    parser.add_argument(
+        "--out", help="where the JSON and plots go (default docs/results, docs/results/link-RATE with --link)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="one small size, 2 ranks, one round: a smoke run"
     )
@@ -455,18 +467,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every rank keeps its freed host memory for reuse, as a GPU's caching allocator does",
     )
+    add_link_argument(parser)
     args = parser.parse_args(argv)
+    link = on_link(None if args.replot else args.link)
+    print(link, "\n")
+    if args.out is None:
+        results = Path(__file__).resolve().parents[1] / "docs" / "results"
+        args.out = str(results / f"link-{args.link}" if args.link else results)
     on = Setup(args.backend, args.device, args.quick, args.reuse_memory)
     worlds = [2] if args.quick else args.worlds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        saved = json.loads((out / "results.json").read_text())["records"]
+        data = json.loads((out / "results.json").read_text())
+        saved = data["records"]
         for family in args.families:
             got = [r for r in saved if r["family"] == family]
             if got:
                 print(_table(got, _case, f"{family}: time / baseline (median)"), "\n")
-                _plot(got, family, out / f"{family}.png")
+                _plot(
+                    got, family, out / f"{family}.png", data["meta"].get(family, {}).get("link", "loopback")
+                )
         return 0
     records: list[Record] = []
     ran = []
@@ -481,10 +502,15 @@ def main(argv: list[str] | None = None) -> int:
         ran.append(family)
         print(_table(got, _case, f"{family}: time / baseline (median)"), "\n")
         png = out / f"{family}.png"
-        print(f"plot: {png}" if _plot(got, family, png) else "plot: skipped (pip install matplotlib)", "\n")
+        print(
+            f"plot: {png}"
+            if _plot(got, family, png, args.link or "loopback")
+            else "plot: skipped (pip install matplotlib)",
+            "\n",
+        )
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "backend": args.backend, "device": args.device, "quick": args.quick,
-            "reuse_memory": args.reuse_memory, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+            "reuse_memory": args.reuse_memory, "link": args.link or "loopback", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     # The families not run now keep their records (and the meta of the run that made them).

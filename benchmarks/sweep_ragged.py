@@ -29,7 +29,12 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from _timing import fenced_median, reusing_memory  # benchmarks/, beside this script
+from _timing import (  # benchmarks/, beside this script
+    add_link_argument,
+    fenced_median,
+    on_link,
+    reusing_memory,
+)
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -133,7 +138,9 @@ def main() -> None:
     parser.add_argument(
         "--reuse-memory", action="store_true", help="each rank keeps its freed host memory for reuse"
     )
+    add_link_argument(parser)
     args = parser.parse_args()
+    print(on_link(args.link))
     records = []
     for world in args.worlds:
         records += run_ranks(

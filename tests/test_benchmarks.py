@@ -30,10 +30,16 @@ FAMILIES = (
 )  # and row_kernels, skipped without CUDA
 
 
-# name -> (its command, its timeout in seconds). The three run side by side, started at
+LINK_FAMILIES = ("gather", "wire")
+
+# name -> (its command, its timeout in seconds). They run side by side, started at
 # the first test's read (suite time): the CUDA scripts' smoke runs hold one rank each.
 SCRIPTS: dict[str, tuple[list[str], float]] = {
     "quick": ([str(RUN), "--quick", "--reuse-memory", "--out", "{out}"], 300.0),
+    "link": (
+        [str(RUN), "--quick", "--families", *LINK_FAMILIES, "--link", "7gbit", "--out", "{out}/link"],
+        300.0,
+    ),
     "bench_overlap_cuda.py": ([str(RUN.parent / "bench_overlap_cuda.py"), "--quick"], 600.0),
     "bench_torchtitan_cuda.py": ([str(RUN.parent / "bench_torchtitan_cuda.py"), "--quick"], 600.0),
 }
@@ -82,6 +88,7 @@ def test_quick_run_writes_records_and_plots(scripts: dict[str, Script]) -> None:
     assert all(data["meta"][f]["quick"] is True and data["meta"][f]["torch"] for f in FAMILIES)
     assert all((m["backend"], m["device"]) == ("gloo", "cpu") for m in data["meta"].values())
     assert all(m["reuse_memory"] is True for m in data["meta"].values())
+    assert all(m["link"] == "loopback" for m in data["meta"].values())
     for family in FAMILIES:
         mine = [r for r in data["records"] if r["family"] == family]
         assert mine, f"no {family} records"
@@ -133,6 +140,17 @@ def test_quick_run_writes_records_and_plots(scripts: dict[str, Script]) -> None:
         for op in ("all_gather", "all_to_all", "all_reduce", "broadcast")
         for c in ("default", "unchecked")
     }
+
+
+def test_quick_run_on_a_rate_limited_link(scripts: dict[str, Script]) -> None:
+    """``run.py --link 7gbit`` re-executes itself under netlink: its header and records name the link."""
+    done = scripts["link"].done()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("link: 7gbit (netlink: "), done.stdout[:300]
+    data = json.loads((scripts["link"].out.parent / "quick-out" / "link" / "results.json").read_text())
+    assert {f: m["link"] for f, m in data["meta"].items()} == dict.fromkeys(LINK_FAMILIES, "7gbit")
+    for family in LINK_FAMILIES:
+        assert [r for r in data["records"] if r["family"] == family and r["seconds"] > 0], family
 
 
 def _table(script: Script) -> list[list[str]]:
