@@ -37,6 +37,8 @@ SECTIONS = [
             "settled",
             "launch",
             "print_line",
+            "print_ranks",
+            "heartbeat",
             "recording_backend",
             "count_host_reads",
         ],

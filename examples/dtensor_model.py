@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import funcoll
-from funcoll.testing import launch, print_line
+from funcoll.testing import launch, print_ranks
 
 # HIDDEN divides by 2, 3 and 4: on 3 ranks a hidden dim of 10 (4, 3, 3) fails in torch 2.13 DTensor's
 # sharding propagation of the MLP's matmul. The tokens are ragged; the weights are sharded evenly.
@@ -118,7 +118,7 @@ def run(rank: int, world: int) -> float:
         torch.testing.assert_close(grads[k], p.grad, **close)
         torch.testing.assert_close(model.get_parameter(k).full_tensor(), p.detach(), **close)
     w1, w2 = model.get_parameter("0.weight"), model.get_parameter("2.weight")
-    print_line(f"rank {rank}: {n} tokens, Shard(0) rows {x.to_local().shape[0]} of {x.shape[0]}; "
+    print_ranks(f"rank {rank}: {n} tokens, Shard(0) rows {x.to_local().shape[0]} of {x.shape[0]}; "
           f"W1 {tuple(w1.to_local().shape)} of {tuple(w1.shape)}, W2 {tuple(w2.to_local().shape)} of "
           f"{tuple(w2.shape)}; loss {float(value):.6f}, as in one process, and so is the step")  # fmt: skip
     return float(value)

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcoll
-from funcoll.testing import launch, print_line
+from funcoll.testing import launch, print_ranks
 
 
 def run(rank: int, world: int) -> None:
@@ -32,13 +32,14 @@ def run(rank: int, world: int) -> None:
     tokens = torch.arange(start, start + lengths[rank], dtype=torch.float32)[:, None].repeat(1, 3)
 
     x, sizes = funcoll.from_ragged(tokens, group=mesh)  # Shard(0) of all the tokens, in order
-    print_line(f"rank {rank}: holds {lengths[rank]} tokens; DTensor {tuple(x.shape)} {x.placements}, "
-          f"local rows {x.to_local()[:, 0].tolist()}")  # fmt: skip
+    # The DTensor's shards are torch's even chunks of all the tokens, not the ranks' own lengths.
+    print_ranks(f"rank {rank}: {lengths[rank]} tokens of its own; DTensor {tuple(x.shape)} {x.placements}, "
+               f"its even chunk: rows {x.to_local()[:, 0].tolist()}")  # fmt: skip
     full = funcoll.all_gather(x)  # Shard(0) -> Replicate(), the same global tensor
     assert torch.equal(full.to_local()[:, 0], torch.arange(sum(lengths), dtype=torch.float32))
     back = funcoll.to_ragged(x * 10, sizes)  # every rank its own tokens, times 10
     assert torch.equal(back, tokens * 10)
-    print_line(f"rank {rank}: got its {back.shape[0]} tokens back")
+    print_ranks(f"rank {rank}: got its {back.shape[0]} tokens back")
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ import sys
 import torch
 
 import funcoll
-from funcoll.testing import launch, print_line
+from funcoll.testing import launch, print_ranks
 
 N_SAMPLES, VOCAB = 11, 50
 
@@ -82,7 +82,7 @@ def run(rank: int, world: int) -> dict[str, float]:
     )
     want = metrics(torch.stack([p[0] for p in ref]), torch.tensor([p[2] for p in ref]), [p[1] for p in ref])
     assert got == want, (got, want)
-    print_line(f"rank {rank}: evaluated {len(mine)} of {N_SAMPLES} samples; every rank has {got}")
+    print_ranks(f"rank {rank}: evaluated {len(mine)} of {N_SAMPLES} samples; every rank has {got}")
     return got
 
 

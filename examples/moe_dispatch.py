@@ -36,7 +36,7 @@ import sys
 import torch
 
 import funcoll
-from funcoll.testing import launch, print_line
+from funcoll.testing import launch, print_ranks
 
 D, E_LOCAL, CAPACITY = 6, 2, 3  # model dim, experts per rank, rows per destination rank (padded path)
 
@@ -153,7 +153,7 @@ def run(rank: int, world: int) -> float:
         torch.testing.assert_close(weights.grad, ref_dw[mine])  # summed over every rank's tokens
         worst = max(worst, (out - ref_out[rank]).abs().max().item())  # a CPU tensor: no device sync
         dropped = int((~keep_within_capacity(route(x, router)[0] // E_LOCAL, world)).sum()) if capacity else 0
-        print_line(f"rank {rank}: {name}: {x.shape[0]} tokens ({dropped} over capacity) through {E_LOCAL} "
+        print_ranks(f"rank {rank}: {name}: {x.shape[0]} tokens ({dropped} over capacity) through {E_LOCAL} "
               "local experts; outputs and gradients match one process")  # fmt: skip
     return worst
 

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from torch import Tensor, nn
 
 import funcoll
 from funcoll import Wire, moe
-from funcoll.testing import launch, print_line
+from funcoll.testing import heartbeat, launch, print_line
 
 HIDDEN, FFN, E_LOCAL, K, STEPS, LR = 8, 16, 2, 2, 6, 0.5
 # --wire quantized: (wire, grad_wire) of each collective of the layer; one scale a row
@@ -161,15 +162,22 @@ def run(rank: int, world: int, backend: str = "inductor", wire: str = "exact") -
     step_fn = torch.compile(lambda x: loss_of(layer(x)), fullgraph=True, backend=backend)
     if rank == 0:
         print_line(
-            f"moe_layer: compiling the forward ({backend}; on a CPU inductor takes about 10 s a graph). "
+            f"moe_layer: compiling the forward ({backend}; on a small CPU a graph takes tens of seconds, and "
+            f"each step says when it is done). "
             f"Expect 4 graphs a rank (3 recompiles), by design: one static graph for each capacity the "
             f"Dropless policy tries (it starts small on purpose and grows after each overflow) and the exact "
             f"one it reruns an overflowed step with"
         )
     losses = []
+    start = time.perf_counter()
     for step in range(STEPS):
-        loss = policy.run(step_fn, funcoll.mark_ragged(tokens(step, rank), 0))
-        loss.backward()  # the router's gradient: reduce-scattered onto each rank's shard by the gather
+        with heartbeat(f"moe_layer: step {step + 1} of {STEPS} (compiles on a new shape)", enabled=rank == 0):
+            loss = policy.run(step_fn, funcoll.mark_ragged(tokens(step, rank), 0))
+            loss.backward()  # the router's gradient: reduce-scattered onto each rank's shard by the gather
+        if rank == 0:
+            print_line(
+                f"moe_layer: step {step + 1} of {STEPS} done ({time.perf_counter() - start:.1f} s so far)"
+            )
         total = funcoll.all_reduce(loss.detach())  # the loss summed over ranks
         with torch.no_grad():
             for p in layer.parameters():

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import funcoll
-from funcoll.testing import launch, print_line
+from funcoll.testing import launch, print_ranks
 
 B, S, H, D = 2, 7, 5, 4
 
@@ -85,7 +85,7 @@ def run(rank: int, world: int) -> float:
     for got, want in zip(mine, ref, strict=True):
         torch.testing.assert_close(got.grad, want.grad.tensor_split(world, dim=1)[rank])
     err = (o - o_ref.tensor_split(world, dim=1)[rank]).abs().max().item()  # a CPU tensor: no device sync
-    print_line(f"rank {rank}: heads {funcoll.split_sizes(H, world)[rank]} of {H}, "
+    print_ranks(f"rank {rank}: heads {funcoll.split_sizes(H, world)[rank]} of {H}, "
           f"sequence {mine[0].shape[1]} of {S}; matches one process (max error {err:.1e})")  # fmt: skip
     return err
 

@@ -89,6 +89,7 @@ MODE_TITLES = {
     "quantized": "funcoll eager, FP8 all_to_alls",
     "reference": "reference (1 process)",
 }
+TITLE_WIDTH = max(map(len, MODE_TITLES.values())) + 1  # the progress bars start in one column
 # --wire: the attention's all_to_alls in float8 e4m3, a scale per head's values (DeepEP's
 # dispatch format), their gradients in bfloat16 (docs/wire.md)
 WIRE = (funcoll.Wire(torch.float8_e4m3fn, block=HEAD_DIM), funcoll.Wire(torch.bfloat16))
@@ -411,7 +412,7 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterat
         tqdm = None
     if tqdm is not None:
         fmt = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
-        yield from tqdm(items, total=total, desc=f"{desc:<29}", bar_format=fmt, leave=True, ncols=90)
+        yield from tqdm(items, total=total, desc=f"{desc:<{TITLE_WIDTH}}", bar_format=fmt, leave=True, ncols=90)
         return
     start = time.perf_counter()
     live = sys.stderr.isatty()  # redraw in place on a terminal; one line per phase in a log
@@ -421,7 +422,7 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterat
         if live:
             bar = "#" * (width * (i + 1) // max(total, 1))
             elapsed = time.perf_counter() - start
-            sys.stderr.write(f"\r{desc:<28} [{bar:<{width}}] {i + 1}/{total} {elapsed:5.1f}s")
+            sys.stderr.write(f"\r{desc:<{TITLE_WIDTH - 1}} [{bar:<{width}}] {i + 1}/{total} {elapsed:5.1f}s")
             sys.stderr.flush()
     elapsed = time.perf_counter() - start
     sys.stderr.write("\n" if live else f"{desc:<28} {total} steps {elapsed:5.1f}s\n")

@@ -14,7 +14,7 @@ ragged shard of every step's sequence (0 tokens on some steps):
 A single process trains the same model on the whole sequence as the reference.
 It prints a progress bar per phase and a table: the largest loss and parameter
 difference from the reference, graph breaks, compiles per rank, the collectives
-and host reads per step (exact counts: what the seed-style helpers cost and
+and host reads per step (counted: what the seed-style helpers cost and
 funcoll does not), the median step time, wall and CPU, and the share of the step
 in which collectives run, with notes on what the times mean on the machine. It
 exits 1 if any run differs from the reference (:mod:`funcoll._demo_train` has
@@ -314,9 +314,10 @@ def _notes(
         f"compiled: torch.compile(fullgraph=True, backend={cfg.compile_backend!r}), funcoll.mark_ragged on "
         f"the inputs; graph breaks: torch._dynamo.utils.counters['graph_break']; compiles: frames counted "
         f"by a CompileCounterWithBackend, per rank; its first step (compiling) took {compile_s:.1f} s.",
-        f"coll/step, host reads/step: exact counts (every step issues the same ops) over steps "
-        f"{profiled.start}-{profiled.stop - 1}: the collectives the backend ran ({coll} in torch.profiler) "
-        f"and the Tensor.item/tolist calls (funcoll.testing.count_host_reads). Seed-style: every call "
+        f"coll/step, host reads/step: counted, the mean over steps {profiled.start}-{profiled.stop - 1}: "
+        f"the collectives the backend ran ({coll} in torch.profiler) and the Tensor.item/tolist calls "
+        f"(funcoll.testing.count_host_reads). Eager funcoll at the default checks exchanges a header on "
+        f"calls 1, 2, 4, 8, ... of each op, so its steps differ by those (a fraction in the mean). Seed-style: every call "
         f"exchanges sizes, {exchanges} all_gathers a step, each read back with one .item() per rank, and "
         f"pads to the longest rank; its all_to_all went by {route}. funcoll: one size exchange a step "
         f"(one host read), its sizes passed to every later op.",

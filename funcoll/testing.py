@@ -61,9 +61,11 @@ __all__ = [
     "gloo_worker_threads",
     "graph_collectives",
     "group_of",
+    "heartbeat",
     "in_flight",
     "launch",
     "print_line",
+    "print_ranks",
     "recording_backend",
     "run_ranks",
     "settled",
@@ -440,6 +442,63 @@ def print_line(text: str) -> None:
     """
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = 5.0, enabled: bool = True) -> Iterator[None]:
+    """While the block runs, print ``<what>: still running (N s)`` every `every` seconds.
+
+    For work that is silent for long (a first ``torch.compile`` call: tens of
+    seconds on a small CPU), so that a user sees it is alive and how long it has
+    taken. A daemon thread prints (:func:`print_line`); it stops when the block
+    ends. `enabled` False (say on ranks other than 0): nothing is printed. ::
+
+        with heartbeat(f"step {i}: compiling", enabled=rank == 0):
+            loss = step_fn(x)
+    """
+    if not enabled:
+        yield
+        return
+    import threading
+
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print_line(f"{what}: still running ({time.perf_counter() - start:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="funcoll-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def print_ranks(text: str, group: _group.GroupLike = None) -> None:
+    """Print every rank's `text` from the group's first rank, in rank order, one whole line each.
+
+    A collective: every rank of `group` (any form funcoll's ops take; None: the
+    default group) calls it with its own line. The lines travel to every rank
+    (``all_gather_object``: pickled, on the host) and the group's rank 0 writes
+    them with :func:`print_line`, so that ranks sharing a terminal under torchrun
+    or :func:`run_ranks` neither interleave their lines nor print them out of
+    order. Meant for a program's report lines, not for a hot loop. ::
+
+        print_ranks(f"rank {rank}: {n} tokens")  # rank 0 prints "rank 0: ...", then "rank 1: ..."
+    """
+    g = _group.resolve_group("funcoll.testing.print_ranks", group)
+    if g.is_single:
+        print_line(text)
+        return
+    pg = dist.distributed_c10d._resolve_process_group(g.name)
+    lines: list[Any] = [None] * g.size
+    dist.all_gather_object(lines, text, group=pg)
+    if g.rank == 0:
+        for line in lines:
+            print_line(str(line))
 
 
 def recording_backend() -> tuple[Callable[..., Any], dict[str, list[str]]]:

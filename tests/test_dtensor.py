@@ -599,6 +599,9 @@ def test_docs_placement_table_is_the_specs() -> None:
 def test_torchrun_example_runs() -> None:
     """examples/dtensor_ragged.py as docs/dtensor.md runs it: torchrun, 2 gloo ranks; nothing left unwaited."""
     out, err = torchrun([str(ROOT / "examples" / "dtensor_ragged.py")])
-    assert "DTensor (7, 3) (Shard(dim=0),), local rows [0.0, 1.0, 2.0, 3.0]" in out
+    assert (
+        "rank 0: 5 tokens of its own; DTensor (7, 3) (Shard(dim=0),), its even chunk: rows [0.0, 1.0, 2.0, 3.0]"
+        in out
+    )
     assert out.count("tokens back") == 2
     assert "unwaited" not in err, err[-3000:]

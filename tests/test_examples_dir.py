@@ -80,6 +80,10 @@ def test_example_script_runs_without_a_launcher() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("every rank has") == 2
+    # one whole line a rank, in rank order (funcoll.testing.print_ranks), and nothing on stderr to worry about
+    ranks = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert ranks == ["rank 0", "rank 1"], proc.stdout
+    assert "Warning" not in proc.stderr and "unwaited" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))

@@ -85,6 +85,11 @@ def test_program_runs_as_written_under_torchrun(bid: str, code: str, tmp_path: P
     nproc, name = LAUNCH.match(code).groups()  # type: ignore[union-attr]
     path = tmp_path / name
     path.write_text(code)
-    out, _ = torchrun([str(path)], nproc=int(nproc), timeout=240)
+    out, err = torchrun([str(path)], nproc=int(nproc), timeout=240)
+    # a clean run warns of nothing: no torch or funcoll warning, no result left unwaited at exit
+    assert "Warning" not in err and "unwaited" not in err, err[-3000:]
     # print writes a line's text and its newline apart: unbuffered ranks may cut each other's lines
     assert sorted(re.findall(r"rank (\d+):", out)) == [str(r) for r in range(int(nproc))], out
+    # a training loop prints its weights: data parallel, every rank ends with the same
+    weights = re.findall(r"weights (-?[\d.]+)", out)
+    assert len(set(weights)) <= 1 and len(weights) in (0, int(nproc)), out

@@ -14,6 +14,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -213,3 +215,39 @@ def test_print_line_writes_the_whole_line_at_once(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("sys.stdout", out)
     print_line("rank 1: 8 tokens")
     assert out.calls == [("write", "rank 1: 8 tokens\n"), ("flush", "")]
+
+
+def _ranks_print(rank: int, world: int) -> None:
+    time.sleep(0.2 * (world - rank))  # the last rank is ready first: order must not follow readiness
+    funcoll.testing.print_ranks(f"rank {rank}: {rank + 2} tokens")
+    funcoll.testing.print_ranks(f"rank {rank}: second line", group=dist.new_group(list(range(world))))
+
+
+def test_print_ranks_prints_every_rank_in_rank_order_from_rank_0() -> None:
+    """Three ranks, the last one ready first: rank 0 writes the three lines in rank order, twice."""
+    script = (
+        "from tests.test_testing import _ranks_print\n"
+        "from funcoll.testing import run_ranks\n"
+        "run_ranks(_ranks_print, 3, timeout=60)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
+    assert lines == [f"rank {r}: {r + 2} tokens" for r in range(3)] + [
+        f"rank {r}: second line" for r in range(3)
+    ]
+
+
+def test_heartbeat_says_the_block_is_still_running_until_it_ends(capsys: pytest.CaptureFixture[str]) -> None:
+    with funcoll.testing.heartbeat("step 1: compiling", every=0.05):
+        time.sleep(0.32)
+    time.sleep(0.15)  # nothing after the block
+    beats = capsys.readouterr().out.splitlines()
+    assert 3 <= len(beats) <= 7, beats
+    assert all(b.startswith("step 1: compiling: still running (") and b.endswith(" s)") for b in beats), beats
+    with funcoll.testing.heartbeat("quiet", every=0.01, enabled=False):
+        time.sleep(0.05)
+    assert capsys.readouterr().out == ""

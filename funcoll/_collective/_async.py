@@ -21,7 +21,10 @@ Only eager code gets a :class:`Pending`: a compiled graph has the bare
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Literal
@@ -167,6 +170,39 @@ def _nests_tensors(arg: Any) -> bool:
 # funcoll's collectives in flight on gloo groups of more than one worker thread, in
 # this process: each is waited before the next eager collective is issued (`drain`).
 _serial: weakref.WeakSet[_Ticket] = weakref.WeakSet()
+# Every ticket whose result is alive: a result never read (a global still referenced
+# when the program ends) is waited at exit, before c10d's registry is torn down.
+_live: weakref.WeakSet[_Ticket] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_left() -> None:
+    """At interpreter exit, wait every collective whose result is alive and was never read.
+
+    A result a program keeps but never reads (``recv, sizes = all_to_all_v(...)``
+    at module level, ``sizes`` read and ``recv`` not) stays registered with c10d,
+    which at process termination warns of "unwaited collective calls" on every
+    rank. In a program that ended normally the collective finished long before
+    (everything after it came later on every rank), so the wait returns at once.
+    A program that ends on an uncaught exception is left as it is (its peers may
+    never issue the collective), and the waits run on a thread given 10 s, so that
+    exit never blocks on a peer that is gone; a failure has no caller left to
+    raise to and is dropped with the rest of the process.
+    """
+    left = [t for t in list(_live) if not t.done]
+    if not left or getattr(sys, "last_value", None) is not None:  # set when an uncaught exception ended it
+        return
+
+    def waits() -> None:
+        for ticket in left:
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 -- the process is ending; the peers may be gone
+                pass
+
+    thread = threading.Thread(target=waits, name="funcoll-exit-waits", daemon=True)
+    thread.start()
+    thread.join(timeout=10.0)
 
 
 def drain() -> None:
@@ -231,6 +267,7 @@ def defer(
     placeholder, checked and filled by the wait.
     """
     ticket = _Ticket(output, _faults.current_op(), collective, group_name, step, sent)
+    _live.add(ticket)
     if serial:
         _serial.add(ticket)
     if sent is None:
