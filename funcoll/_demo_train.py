@@ -412,7 +412,9 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterat
         tqdm = None
     if tqdm is not None:
         fmt = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
-        yield from tqdm(items, total=total, desc=f"{desc:<{TITLE_WIDTH}}", bar_format=fmt, leave=True, ncols=90)
+        yield from tqdm(
+            items, total=total, desc=f"{desc:<{TITLE_WIDTH}}", bar_format=fmt, leave=True, ncols=90
+        )
         return
     start = time.perf_counter()
     live = sys.stderr.isatty()  # redraw in place on a terminal; one line per phase in a log
