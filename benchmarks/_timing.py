@@ -34,19 +34,20 @@ def add_link_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def netlink_tool() -> str:
-    """The ``netlink`` script: ``$FUNCOLL_NETLINK``, else ``../shared/tools/netlink`` beside the repository, else PATH."""
+# Where the netlink script is looked for, after $FUNCOLL_NETLINK: beside the repository
+# (the tool library's checkout, ../shared/tools), the library's place on these machines
+# (a clone elsewhere, CI's), then PATH.
+NETLINK_PLACES = ("{repo}/../shared/tools/netlink", "/work/shared/tools/netlink")
+
+
+def netlink_tool() -> str | None:
+    """The ``netlink`` script (``$FUNCOLL_NETLINK``, :data:`NETLINK_PLACES`, PATH), or None."""
     repo = Path(__file__).resolve().parents[1]
-    for candidate in (os.environ.get("FUNCOLL_NETLINK"), str(repo.parent / "shared" / "tools" / "netlink")):
+    places = [os.environ.get("FUNCOLL_NETLINK"), *(p.format(repo=repo) for p in NETLINK_PLACES)]
+    for candidate in places:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    found = shutil.which("netlink")
-    if found is None:
-        raise SystemExit(
-            "--link: no netlink script (looked at $FUNCOLL_NETLINK, ../shared/tools/netlink and PATH); "
-            "it needs root (unshare, tc)"
-        )
-    return found
+    return shutil.which("netlink")
 
 
 def on_link(rate: str | None) -> str:
@@ -63,6 +64,11 @@ def on_link(rate: str | None) -> str:
         return "link: loopback (no rate limit: a byte costs a memcpy)"
     if os.environ.get(LINK_ENV) != rate:  # not inside yet: the same command, under netlink
         tool = netlink_tool()
+        if tool is None:
+            raise SystemExit(
+                "--link: no netlink script ($FUNCOLL_NETLINK, ../shared/tools/netlink beside the "
+                "repository, /work/shared/tools/netlink, PATH); it needs root (unshare, tc)"
+            )
         sys.stdout.flush()
         os.execve(tool, [tool, rate, "--", sys.executable, *sys.argv], {**os.environ, LINK_ENV: rate})
     return f"link: {rate} (netlink: the ranks' bytes cross one loopback rate-limited to {rate})"

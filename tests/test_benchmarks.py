@@ -19,6 +19,9 @@ import pytest
 import torch
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+sys.path.insert(0, str(RUN.parent))
+import _timing  # noqa: E402 -- benchmarks/, beside run.py
+
 FAMILIES = (
     "gather",
     "sweep",
@@ -144,6 +147,8 @@ def test_quick_run_writes_records_and_plots(scripts: dict[str, Script]) -> None:
 
 def test_quick_run_on_a_rate_limited_link(scripts: dict[str, Script]) -> None:
     """``run.py --link 7gbit`` re-executes itself under netlink: its header and records name the link."""
+    if _timing.netlink_tool() is None:
+        pytest.skip("no netlink script on this machine (benchmarks/_timing.py: NETLINK_PLACES)")
     done = scripts["link"].done()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("link: 7gbit (netlink: "), done.stdout[:300]

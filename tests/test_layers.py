@@ -138,6 +138,7 @@ ENTRY_STEPS_ELSEWHERE = {
     ("funcoll.moe._dropless", "resolve_group"): 1,  # Dropless: a bad group refused at construction
     ("funcoll.compat", "resolve_group"): 2,  # the seeds' default world; all_gather_into_tensor's out buffer
     ("funcoll.lax", "resolve_group"): 1,  # shard_map's mesh axes
+    ("funcoll.testing", "resolve_group"): 1,  # print_ranks: a report's group, in any form the ops take
     ("funcoll._base._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
 }
 
