@@ -320,22 +320,23 @@ def test_every_op_meets_every_transform() -> None:
     assert sorted(alone) == sorted(c.id for c in OPS if c.id != "torchtitan-dispatcher")
 
 
-def _torchtitan_zero(rank: int, world: int) -> dict[str, Any]:
-    """torchtitan's layer compiled on inductor, rank 0's loss ``* 0``: forward and backward, and eager.
+def _torchtitan_zero(rank: int, world: int, compiler: str, program: str) -> dict[str, Any]:
+    """torchtitan's layer compiled on `compiler`, one rank's loss ``* 0``: forward and backward, and eager.
 
     Before ``_phase._anchor`` rank 0's backward graph on torch 2.12 and 2.13 held a
     second copy of the forward's counts and dispatch all_to_alls (the other rank's
     did not): gloo aborted on the mismatched sizes (NCCL: a hang).
     """
     _build_torchtitan(world)
-    return _compiled_and_eager(
-        rank, "inductor", "zero-on-0", [c for c in OPS if c.id == "torchtitan-dispatcher"]
-    )
+    return _compiled_and_eager(rank, compiler, program, [c for c in OPS if c.id == "torchtitan-dispatcher"])
 
 
 @pytest.mark.skipif(not _torchtitan_ready(), reason="torchtitan 0.3.0 on torch 2.12 or newer")
-def test_torchtitans_layer_with_a_zero_loss_on_inductor() -> None:
-    runs = run_ranks(_torchtitan_zero, WORLD, timeout=300.0, pg_timeout=60.0)
+@pytest.mark.parametrize(
+    ("compiler", "program"), [("inductor", "zero-on-0"), ("inductor-overlap", "zero-on-1")]
+)
+def test_torchtitans_layer_with_a_zero_loss_on_inductor(compiler: str, program: str) -> None:
+    runs = run_ranks(_torchtitan_zero, WORLD, compiler, program, timeout=300.0, pg_timeout=60.0)
     errors = [r["error"] for r in runs if "error" in r]
     assert not errors, errors[0]
     assert len({len(r["graphs"]) for r in runs}) == 1, [len(r["graphs"]) for r in runs]
