@@ -311,8 +311,8 @@ def _differ(got: Tensor, want: Tensor, sources: Sequence[int]) -> list[int]:
     if torch.equal(got, want):
         return []
     rows = (got != want).reshape(got.shape[0], -1).any(1)
-    # A host read, deliberate: a CPU tensor (no device sync), only on the way to the error
-    return [sources[i] for i in rows.nonzero().flatten().tolist()]
+    differ = rows.nonzero().flatten().tolist()  # host read, deliberate: a CPU tensor, on the way to the error
+    return [sources[i] for i in differ]
 
 
 def _row_bytes(x: Tensor) -> int:
