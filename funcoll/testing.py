@@ -35,6 +35,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -459,8 +460,6 @@ def heartbeat(what: str, every: float = 5.0, enabled: bool = True) -> Iterator[N
     if not enabled:
         yield
         return
-    import threading
-
     done = threading.Event()
     start = time.perf_counter()
 
