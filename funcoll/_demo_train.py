@@ -44,6 +44,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -401,8 +402,23 @@ def collective_share(prof: torch.profiler.profile, step_span: str, device: str) 
     return (covered / total if total > 0 else 0.0), len(inside) / max(len(steps), 1)
 
 
-def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterator[T]:
-    """A progress bar over `items`: tqdm when it is installed, else a plain one on stderr."""
+def progress(
+    items: Iterable[T],
+    total: int,
+    desc: str,
+    enabled: bool,
+    first: str | None = None,
+    every: float = 1.0,
+    quiet: float = 5.0,
+) -> Iterator[T]:
+    """A progress bar over `items`: tqdm when it is installed, else a plain one on stderr.
+
+    The bar stays alive while a step runs: a daemon thread redraws its elapsed time
+    every `every` seconds (in a log, not a terminal: a line after each `quiet`
+    seconds of a running step), so a long
+    step (a first compiled call: 10-50 s on a small CPU) is never silent. `first`
+    labels the first step while it runs (``"compiling"``).
+    """
     if not enabled:
         yield from items
         return
@@ -410,25 +426,69 @@ def progress(items: Iterable[T], total: int, desc: str, enabled: bool) -> Iterat
         from tqdm import tqdm
     except ImportError:
         tqdm = None
-    if tqdm is not None:
-        fmt = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
-        yield from tqdm(
-            items, total=total, desc=f"{desc:<{TITLE_WIDTH}}", bar_format=fmt, leave=True, ncols=90
-        )
-        return
+    lock = threading.Lock()
     start = time.perf_counter()
-    live = sys.stderr.isatty()  # redraw in place on a terminal; one line per phase in a log
-    width = 30
-    for i, item in enumerate(items):
-        yield item
-        if live:
-            bar = "#" * (width * (i + 1) // max(total, 1))
-            elapsed = time.perf_counter() - start
-            sys.stderr.write(f"\r{desc:<{TITLE_WIDTH - 1}} [{bar:<{width}}] {i + 1}/{total} {elapsed:5.1f}s")
+    done_steps = 0
+    live = tqdm is not None or sys.stderr.isatty()  # redraw in place; in a log, one line now and then
+    bar = None
+    if tqdm is not None:
+        fmt = "{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+        bar = tqdm(total=total, desc=f"{desc:<{TITLE_WIDTH}}", bar_format=fmt, leave=True, ncols=100)
+
+    def note() -> str:
+        return first if first is not None and done_steps == 0 else ""
+
+    def draw() -> None:
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.set_postfix_str(note(), refresh=False)
+            bar.refresh()
+        elif live:
+            width = 30
+            filled = "#" * (width * done_steps // max(total, 1))
+            label = f" step {done_steps + 1}: {note()}" if note() and done_steps < total else ""
+            sys.stderr.write(
+                f"\r{desc:<{TITLE_WIDTH - 1}} [{filled:<{width}}] {done_steps}/{total} {elapsed:5.1f}s{label:<24}"
+            )
             sys.stderr.flush()
-    elapsed = time.perf_counter() - start
-    sys.stderr.write("\n" if live else f"{desc:<28} {total} steps {elapsed:5.1f}s\n")
-    sys.stderr.flush()
+
+    stop = threading.Event()
+
+    def tick() -> None:
+        quiet_since = time.perf_counter()
+        while not stop.wait(every):
+            with lock:
+                if live:
+                    draw()
+                elif time.perf_counter() - quiet_since >= quiet:  # a log: a line now and then
+                    quiet_since = time.perf_counter()
+                    running = f"step {done_steps + 1}/{total}" + (f" ({note()})" if note() else "")
+                    sys.stderr.write(f"{desc:<28} {running}, {time.perf_counter() - start:5.1f}s\n")
+                    sys.stderr.flush()
+
+    ticker = threading.Thread(target=tick, name="funcoll-demo-progress", daemon=True)
+    with lock:
+        draw()
+    ticker.start()
+    try:
+        for item in items:
+            yield item
+            with lock:
+                done_steps += 1
+                if bar is not None:
+                    bar.update(1)
+                draw()
+    finally:
+        stop.set()
+        ticker.join()
+        if bar is not None:
+            bar.set_postfix_str("", refresh=False)
+            bar.close()
+        elif live:
+            sys.stderr.write("\n")
+        else:
+            sys.stderr.write(f"{desc:<28} {total} steps {time.perf_counter() - start:5.1f}s\n")
+        sys.stderr.flush()
 
 
 def _sync(device: torch.device) -> None:
@@ -464,7 +524,8 @@ def train_rank(mode: str, cfg: Config, rank: int, world: int, show: bool) -> Pha
     prof = torch.profiler.profile(activities=activities)
     reads = 0
     with contextlib.ExitStack() as profiling_steps:
-        for step in progress(range(cfg.steps), cfg.steps, MODE_TITLES[mode], show):
+        first = "compiling" if mode == "compiled" else None  # its first step compiles: 10-50 s, not silent
+        for step in progress(range(cfg.steps), cfg.steps, MODE_TITLES[mode], show, first=first):
             batch, _ = rank_batch(cfg, step, rank, world)
             inputs = batch.to(device).tensors()
             if mode == "compiled":

@@ -34,17 +34,19 @@ def _keep_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return captured
 
 
+@pytest.mark.usefixtures("warnings_fail")
 def test_demo_trains_three_ways_in_agreement_and_fp8_tracks_them(
-    monkeypatch: pytest.MonkeyPatch, capsys: Any
+    monkeypatch: pytest.MonkeyPatch, capfd: Any
 ) -> None:
     """6 steps on 2 ranks with ``--wire``: exit 0, agreement with the reference, 0 graph breaks, 1 compile
     per rank; and the fourth run, its all_to_alls in FP8, every loss within WIRE_RTOL of the reference's
     (and not equal). One demo run for both (suite time): ``--wire`` adds the fourth run and changes
-    nothing of the three."""
+    nothing of the three. No warning: a Python warning raises on the rank, and stderr holds none of c10d's."""
     captured = _keep_runs(monkeypatch)
     with funcoll.set_checks(False):  # as a user runs it: the counts below are those without checks
         assert demo.main(["--world", "2", "--steps", str(STEPS), "--wire"]) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
+    assert "Warning" not in err and "unwaited" not in err, err[-3000:]
     assert "OK: the three runs match the single-process reference" in out
     assert "FP8 all_to_alls" in out
     (compiled,) = [
@@ -82,12 +84,12 @@ def test_demo_trains_three_ways_in_agreement_and_fp8_tracks_them(
     saved = list(runs[0]["quantized"].losses)
     runs[0]["quantized"].losses[3] *= 1 + 2 * train.WIRE_RTOL
     assert demo.report(train.Config(steps=STEPS, wire=True), 2, "gloo", runs) == 1
-    assert "MISMATCH" in capsys.readouterr().out
+    assert "MISMATCH" in capfd.readouterr().out
     runs[0]["quantized"].losses[:] = saved
     # A run that drifts from the reference by more than the tolerance fails the demo.
     runs[1]["eager"].losses[2] += 10 * demo.TOLERANCE
     assert demo.report(train.Config(steps=STEPS, wire=True), 2, "gloo", runs) == 1
-    assert "MISMATCH" in capsys.readouterr().out
+    assert "MISMATCH" in capfd.readouterr().out
 
 
 def test_demo_runs_under_torchrun() -> None:
@@ -96,7 +98,8 @@ def test_demo_runs_under_torchrun() -> None:
     2 steps, and dynamo's ``eager`` backend for the compiled run (the launcher path is
     under test here, not AOT autograd, which the in-process test compiles with).
     """
-    out, _ = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
+    out, err = torchrun(["-m", "funcoll.demo", "--steps", "2", "--compile-backend", "eager"], timeout=180)
+    assert "Warning" not in err and "unwaited" not in err, err[-3000:]
     assert f"funcoll {funcoll.__version__} demo: 2 gloo ranks on cpu" in out, out[-3000:]
     assert out.count("OK: the three runs match the single-process reference") == 1, out[-3000:]
     assert "funcoll compiled (eager)" in out
@@ -128,3 +131,16 @@ def test_shards_are_ragged_and_cover_the_sequence() -> None:
         if step % 3 == 2:
             assert 0 in sizes
     assert len(lengths) > 1
+
+
+def test_progress_is_not_silent_while_a_step_runs(capfd: Any) -> None:
+    """A long first step (a compile) shows: in a log (not a terminal), a line after each quiet interval,
+    naming the step and what it does; then the phase's closing line."""
+    import time
+
+    for i in train.progress(range(2), 2, "funcoll compiled", True, first="compiling", every=0.05, quiet=0.2):
+        time.sleep(0.7 if i == 0 else 0.0)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("funcoll compiled")]
+    assert 2 <= sum("step 1/2 (compiling)" in line for line in lines) <= 4, err
+    assert lines[-1].split()[-3:-1] == ["2", "steps"], err
