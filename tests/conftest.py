@@ -1,3 +1,4 @@
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +16,22 @@ def _cross_rank_checks():
     (off), whose graphs are what users compile; compile_tests/test_checked_ops.py
     compiles the checked ops."""
     with funcoll.set_checks(True):
+        yield
+
+
+@pytest.fixture
+def warnings_fail() -> object:
+    """The warnings a user's program prints (those Python's default filters show) raise instead.
+
+    In the test and in the ranks it forks (``run_ranks``: they inherit the filters),
+    where pytest would otherwise record a rank's warning in that process's memory
+    and nobody would see it. Deprecation, import and resource warnings stay
+    ignored, as Python ignores them outside ``__main__``.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
         yield
 
 

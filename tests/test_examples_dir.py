@@ -56,9 +56,13 @@ def test_example_docstring_says_how_to_run_it(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(WORLDS), ids=lambda n: f"{Path(n).stem}-world{WORLDS[n]}")
-def test_example_matches_one_process(name: str) -> None:
+@pytest.mark.usefixtures("warnings_fail")
+def test_example_matches_one_process(name: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """It runs and checks itself; no rank warns (a Python warning raises there) nor prints c10d's warnings."""
     results = run_ranks(_load(name).run, WORLDS[name], *ARGS.get(name, ()), timeout=120)
     assert len(results) == WORLDS[name]
+    err = capfd.readouterr().err
+    assert "Warning" not in err and "unwaited" not in err, err[-3000:]
 
 
 def test_moe_layer_in_quantized_formats_tracks_the_exact_loss() -> None:
