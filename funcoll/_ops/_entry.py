@@ -93,7 +93,7 @@ class Entry:
 
 
 class _Arguments:
-    """Find an op's arguments by name in a call's ``(args, kwargs)``, without binding all of them."""
+    """An op's arguments by name in a call's ``(args, kwargs)``: a cheaper binding than ``inspect``'s."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         params = list(inspect.signature(fn).parameters.values())
@@ -119,11 +119,17 @@ class _Arguments:
                 return True
         return False
 
-    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-        i = self.position.get(name)
-        if i is not None and i < len(args):
-            return args[i]
-        return kwargs.get(name, self.defaults.get(name))
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every argument by name, defaults filled in, for a call that is not :meth:`malformed`.
+
+        One pass: a compiled caller's trace then reads plain dict entries instead of
+        inlining a lookup per argument (dynamo's cost of tracing an op is mostly the
+        Python calls it inlines).
+        """
+        values = dict(self.defaults)
+        values.update(zip(self.names, args, strict=False))  # the positional parameters come first
+        values.update(kwargs)
+        return values
 
     def replace(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str, value: Any
@@ -132,10 +138,6 @@ class _Arguments:
         if i is not None and i < len(args):
             return (*args[:i], value, *args[i + 1 :]), kwargs
         return args, {**kwargs, name: value}
-
-    def named(self, args: tuple[Any, ...], kwargs: dict[str, Any], leave: tuple[str, ...]) -> dict[str, Any]:
-        """Every argument by name, defaults filled in, but those in `leave`."""
-        return {n: self.get(args, kwargs, n) for n in self.names if n not in leave}
 
 
 def entry(
@@ -187,28 +189,28 @@ def entry(
         def call(*args: Any, **kwargs: Any) -> Any:
             if arguments.malformed(args, kwargs):
                 return fn(*args, **kwargs)  # Python's own TypeError for the call itself
+            values = arguments.bind(args, kwargs)
             for arg in tensors:
-                check_tensor(opname, arg, arguments.get(args, kwargs, arg))
+                check_tensor(opname, arg, values[arg])
             for arg in optional:
-                value = arguments.get(args, kwargs, arg)
-                if value is not None:
-                    check_tensor(opname, arg, value)
-            x = arguments.get(args, kwargs, first) if first is not None else None
+                if values[arg] is not None:
+                    check_tensor(opname, arg, values[arg])
+            x = values[first] if first is not None else None
             if first is not None and is_dtensor(x):
                 if refuse is not None and (
-                    dtensor is None
-                    or (refuse.when is not None and refuse.when(arguments.named(args, kwargs, ())))
+                    dtensor is None or (refuse.when is not None and refuse.when(values))
                 ):
                     refuse.raise_for(opname, first, x)
                 if dtensor is not None:
                     if formats:
-                        exact_for_dtensor(opname, *(arguments.get(args, kwargs, f) for f in formats))
-                    ax: MeshAxis = dtensor_input(opname, x, arguments.get(args, kwargs, "group"))  # type: ignore[assignment]
-                    return dtensor(ax, **arguments.named(args, kwargs, (first, "group", *formats)))
+                        exact_for_dtensor(opname, values["wire"], values["grad_wire"])
+                    ax: MeshAxis = dtensor_input(opname, x, values["group"])  # type: ignore[assignment]
+                    rest = {n: v for n, v in values.items() if n not in (first, "group", *formats)}
+                    return dtensor(ax, **rest)
             if formats:
-                check_wire(opname, x, *(arguments.get(args, kwargs, f) for f in formats))
+                check_wire(opname, x, values["wire"], values["grad_wire"])
             if resolve:
-                g = resolve_group(opname, arguments.get(args, kwargs, "group"))
+                g = resolve_group(opname, values["group"])
                 args, kwargs = arguments.replace(args, kwargs, "group", g)
             return fn(*args, **kwargs)
 
