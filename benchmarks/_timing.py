@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import json
 import os
 import platform
 import shutil
@@ -171,3 +172,10 @@ def init_one_rank_group() -> str:
         return f"{torch.cuda.get_device_name()}, one-rank NCCL group"
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     return "no GPU: CPU, one-rank gloo group"
+
+
+def dump_records(path: str, records: list[dict]) -> None:
+    """Write a benchmark's records to `path` as JSON with the torch release (nothing when `path` is empty)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"torch": torch.__version__, "records": records}, f, indent=1)

@@ -25,14 +25,13 @@ exchange a header, the others carry a fingerprint; ``--unchecked`` times
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _timing import add_link_argument, on_link
+from _timing import add_link_argument, dump_records, on_link
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -114,9 +113,7 @@ def main() -> None:
     for r in records:
         print(f"| {r['world']} | {r['kib_per_rank']} | {r['method']} | {r['cpu_us']:.1f} | {r['cpu_ratio']:.2f} "
               f"| {r['wall_us']:.1f} | {r['ratio']:.2f} |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "records": records}, f, indent=1)
+    dump_records(args.json, records)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import time
@@ -46,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _timing import add_link_argument, on_link
+from _timing import add_link_argument, dump_records, on_link
 
 import funcoll
 from funcoll.testing import run_ranks
@@ -197,9 +196,7 @@ def main() -> None:
         trace = p["total"] - p["backend"]  # dynamo's compile less the backend's (AOT autograd, inductor)
         print(f"| {r['world']} | {r['form']} | {r['mode']} | {r['method']} | {r['first_s']:.2f} | {r['ratio']:.2f} "
               f"| {r['steady_ms']:.1f} | {trace:.2f} | {p['inductor']:.2f} |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "records": records}, f, indent=1)
+    dump_records(args.json, records)
 
 
 if __name__ == "__main__":
