@@ -311,7 +311,7 @@ def _differ(got: Tensor, want: Tensor, sources: Sequence[int]) -> list[int]:
     if torch.equal(got, want):
         return []
     rows = (got != want).reshape(got.shape[0], -1).any(1)
-    differ = rows.nonzero().flatten().tolist()  # host read, deliberate: a CPU tensor, on the way to the error
+    differ = rows.nonzero().flatten().tolist()  # host sync, deliberate (none: CPU), to the error
     return [sources[i] for i in differ]
 
 
