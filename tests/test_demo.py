@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import pytest
@@ -136,8 +137,6 @@ def test_shards_are_ragged_and_cover_the_sequence() -> None:
 def test_progress_is_not_silent_while_a_step_runs(capfd: Any) -> None:
     """A long first step (a compile) shows: in a log (not a terminal), a line after each quiet interval,
     naming the step and what it does; then the phase's closing line."""
-    import time
-
     for i in train.progress(range(2), 2, "funcoll compiled", True, first="compiling", every=0.05, quiet=0.2):
         time.sleep(0.7 if i == 0 else 0.0)
     err = capfd.readouterr().err
