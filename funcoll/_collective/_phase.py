@@ -100,11 +100,14 @@ def _anchor(grads: tuple[Any, ...]) -> None:
     keeps. A backward's ordered effect reads the backward's token, which AOT
     autograd passes as a tangent, so the rebuild runs whatever the gradients are.
     In every funcoll backward, so the first backward collective follows one:
-    ``funcoll::header`` on one byte of the gradients' device, the same op as the
-    headers' (about 10 us of host time per backward op; no collective, no sync).
+    ``funcoll::anchor``, which reads one of the gradients and does nothing (no
+    kernel, no copy, no collective, no sync). An anchor that made a tensor (a
+    one-byte ``funcoll::header``, as before) cost inductor a generated kernel per
+    backward op, about 0.25 s of compile time each on this CPU
+    (``benchmarks/bench_compile.py``).
     """
-    device = next((g.device for g in grads if isinstance(g, Tensor)), torch.device("cpu"))
-    torch.ops.funcoll.header(torch.zeros(1, dtype=torch.uint8, device=device))
+    grad = next((g for g in grads if isinstance(g, Tensor)), None)
+    torch.ops.funcoll.anchor(torch.empty(0) if grad is None else grad)
 
 
 def _in_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,3 +162,16 @@ def _header_fake(header: Tensor) -> Tensor:
 
 
 _header.register_effect(EffectType.ORDERED)
+
+
+@torch.library.custom_op("funcoll::anchor", mutates_args=())
+def _anchor_op(grad: Tensor) -> None:
+    """Nothing: an ordered effect whose token ties a compiled backward to its own inputs (`_anchor`)."""
+
+
+@_anchor_op.register_fake
+def _anchor_fake(grad: Tensor) -> None:
+    return None
+
+
+_anchor_op.register_effect(EffectType.ORDERED)
