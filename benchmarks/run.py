@@ -407,6 +407,8 @@ def _plot(records: list[Record], family: str, path: Path, link: str = "loopback"
     def panel(r: Record) -> tuple:
         return r["world"], r.get("layout", r.get("job", ""))
 
+    if family == "overlap":
+        return _plot_hidden(records, path, link, plt)
     panels = list(dict.fromkeys(panel(r) for r in records))
     impls = list(dict.fromkeys(r["impl"] for r in records))  # one style per implementation, every panel
     impls.sort(key=lambda impl: "baseline" not in _LABELS.get((family, impl), impl))  # baselines first
@@ -441,6 +443,40 @@ def _plot(records: list[Record], family: str, path: Path, link: str = "loopback"
                ncol=min(len(impls), max(1, len(panels)) + 1), frameon=False)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def _plot_hidden(records: list[Record], path: Path, link: str, plt: Any) -> bool:
+    """The overlap family: each method's hidden fraction as a bar (its rounds' range as a line), a panel
+    per mode and work (rows) and world (columns); one payload size, so no axis of sizes."""
+    worlds = sorted({r["world"] for r in records})
+    layouts = list(dict.fromkeys(r["layout"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, axes = plt.subplots(len(layouts), len(worlds), figsize=(6 * len(worlds), 0.3 * len(impls) * len(layouts) + 1),
+                             squeeze=False, sharey=True)  # fmt: skip
+    for row, layout in enumerate(layouts):
+        for col, world in enumerate(worlds):
+            ax = axes[row][col]
+            got = {r["impl"]: r for r in records if r["world"] == world and r["layout"] == layout}
+            ys = range(len(impls))
+            hidden = [got[i]["hidden"] if i in got and got[i]["hidden"] is not None else 0.0 for i in impls]
+            colors = ["tab:gray" if i.startswith("funcol ") else "tab:blue" for i in impls]
+            ax.barh(list(ys), hidden, color=colors)
+            for y, i in zip(ys, impls, strict=True):
+                low, high = (got.get(i) or {}).get("hidden_range") or (None, None)
+                if low is not None:
+                    ax.plot([low, high], [y, y], color="black", linewidth=1)
+            ax.set_yticks(list(ys), impls, fontsize=7)
+            ax.set_xlim(-0.5, 1.1)
+            ax.axvline(0, color="black", linewidth=0.5)
+            mib = records[0]["bytes"] / 2**20
+            ax.set_title(f"world {world}, {layout}, {mib:g} MiB a rank ({link})", fontsize=9)
+            if row == len(layouts) - 1:
+                ax.set_xlabel("hidden fraction of the collective (1: all of it); grey: funcol's")
+    axes[0][0].invert_yaxis()  # the axes share y: once for all, the first method on top
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return True
 
