@@ -254,7 +254,9 @@ class _ScatterRows(Primitive):
         ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
         mine = sizes[rank]
         got = all_to_all_impl(_encode(x, wire, lead=1), [mine] * world, list(sizes), group_name)
-        return _decode(got, wire, x.shape[1:], x.dtype).unflatten(0, (world, mine)).sum(0)
+        # reshape, not Tensor.unflatten: under a torch function mode (torch.set_default_device)
+        # dynamo inlines unflatten's Python wrapper, whose super() call it cannot trace.
+        return _decode(got, wire, x.shape[1:], x.dtype).reshape(world, mine, *x.shape[1:]).sum(0)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

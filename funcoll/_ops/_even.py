@@ -361,7 +361,9 @@ def reduce_scatter(
     if g.is_single:
         y = fresh(x)
     elif wire is not None or grad_wire is not None:  # (world, ..., n, ...) -> this rank's (..., n, ...)
-        pieces = x.unflatten(d, (g.size, n)).movedim(d, 0)
+        # reshape (a view: one dim split), not Tensor.unflatten, which dynamo cannot trace
+        # under a torch function mode such as torch.set_default_device's
+        pieces = x.reshape(*x.shape[:d], g.size, n, *x.shape[d + 1 :]).movedim(d, 0)
         y = reduce_scatter_wire_p(pieces, reduce_op, g.name, g.size, wire, grad_wire)
     else:
         # dim 0: as it arrives, no view of an eager pending result
