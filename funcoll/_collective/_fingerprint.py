@@ -28,12 +28,9 @@ How it travels, by collective:
 - all_gather, all_to_all, broadcast (bytes moved as they are): the payload as
   bytes, then the 8 bytes of the fingerprint after it (after each piece, for
   an all_to_all); a received block whose last 8 bytes differ from the
-  fingerprint this rank expects from its sender fails the check. all_gather
-  sends the two as one coalesced all_gather, whose backend lays them out so and
-  copies them out into two outputs on its own thread: the result is the
-  payload's output. all_to_all's received pieces are copied out without their
-  fingerprints (one copy of the result, on the calling thread), broadcast's
-  result is a view of them;
+  fingerprint this rank expects from its sender fails the check. The received
+  blocks are then copied out without their fingerprints (all_gather, all_to_all:
+  one copy of the result) or the result is a view of them (broadcast);
 - all_reduce, reduce_scatter (values reduced): 32 bits of the fingerprint,
   each as the pair ``(b, 1 - b)`` of values of the payload's dtype, after the
   payload (after each rank's slice). Reduced over ranks a pair is ``(W b, W (1 -
@@ -173,37 +170,23 @@ def pack(
 def _all_gather(
     x: Tensor, issue: Callable[[Tensor, str], Tensor], world: int, common: tuple[object, ...], what: str
 ) -> Sent:
-    """The 8 fingerprint bytes after each rank's payload, in one coalesced all_gather of the two.
-
-    ``all_gather_into_tensor_coalesced([x, fingerprint])``: gloo flattens a rank's
-    inputs into one block, the payload's bytes then the fingerprint's (a block
-    shorter than a peer's leaves that peer's fingerprint unwritten), gathers the
-    blocks in one collective and copies them out into one output per input, all
-    on its worker thread: the result is the payload's output as it is, and the
-    calling thread copies nothing (it waits the fingerprints' output too, so that
-    nothing of the collective stays registered).
-    """
+    """The 8 fingerprint bytes after each rank's payload bytes; the result copied out without them."""
     shape = tuple(x.shape)
     h = _hash(*common, shape)
+    data = x.reshape(-1).view(torch.uint8)
+    nb = data.shape[0]
     out_shape = (world * shape[0], *shape[1:])
-    fingerprints: list[Tensor] = []
-
-    def issue_c(t: Tensor, g: str) -> Tensor:
-        # Both as bytes: gloo's coalesced work moves its inputs as one dtype (any dtype, as bytes).
-        out, prints = _F.all_gather_into_tensor_coalesced(
-            [t.reshape(-1).view(torch.uint8), _bytes(h)], world, g
-        )
-        fingerprints.append(prints)
-        return out
 
     def check(out: Tensor) -> list[int]:
-        prints = _F.wait_tensor(fingerprints.pop())  # the same work as `out`'s, waited already
-        return _differ(prints.view(world, 8), _bytes(h).expand(world, 8), range(world))
+        return _differ(out.view(world, nb + 8)[:, nb:], _bytes(h).expand(world, 8), range(world))
 
     def result(out: Tensor | None, into: Tensor | None) -> Tensor:
-        return into if into is not None else out.view(x.dtype).view(out_shape)  # type: ignore[union-attr]
+        into = x.new_empty(out_shape) if into is None else into
+        if out is not None:  # the one copy: each rank's bytes without the fingerprint after them
+            into.view(-1).view(torch.uint8).view(world, nb).copy_(out.view(world, nb + 8)[:, :nb])
+        return into
 
-    return Sent(x, issue_c, check, result, copied=False, what=what)
+    return Sent(torch.cat([data, _bytes(h)]), issue, check, result, copied=True, what=what)
 
 
 def _broadcast(x: Tensor, world: int, rank: int, root: int, common: tuple[object, ...], what: str) -> Sent:
