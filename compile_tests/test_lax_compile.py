@@ -71,6 +71,11 @@ def _ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]
         "pmin-tp": (lambda x: lax.pmin(x.detach(), "tp") * x, (2, 2)),
         "all_gather-tp": (lambda x: lax.all_gather(x, "tp", axis=1), (3, 2)),
         "all_gather-dp_tp-tiled": (lambda x: lax.all_gather(x, dt, tiled=True), (2, 3)),
+        "all_gather-tp_dp-invarying": (
+            lambda x: lax.all_gather(x, ("tp", "dp"), axis=1, to="invarying"),
+            (2, 3),
+        ),
+        "pcast-tp": (lambda x: lax.pcast(x, "tp", to="varying") * 2, (3,)),
         "psum_scatter-dp": (lambda x: lax.psum_scatter(x, "dp"), (2, 3)),
         "psum_scatter-dp_tp-tiled": (
             lambda x: lax.psum_scatter(x, dt, scatter_dimension=1, tiled=True),
@@ -91,7 +96,13 @@ def _ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]
 # all_gather, psum_scatter, axis_index and axis_size over "tp"): a tuple of axes, a
 # reduction without a gradient, all_to_all's static block permutations out of mesh
 # order, ragged_all_to_all.
-SMOKE_OPS = ("psum-dp_tp", "pmax-dp_tp", "all_to_all-tp_dp-tiled", "ragged_all_to_all-dp_tp")
+SMOKE_OPS = (
+    "psum-dp_tp",
+    "pmax-dp_tp",
+    "all_to_all-tp_dp-tiled",
+    "ragged_all_to_all-dp_tp",
+    "all_gather-tp_dp-invarying",
+)
 
 
 def _compiled_ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]]:

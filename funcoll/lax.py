@@ -55,6 +55,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "mesh",
+    "pcast",
     "pmax",
     "pmean",
     "pmin",
@@ -62,6 +63,7 @@ __all__ = [
     "pshuffle",
     "psum",
     "psum_scatter",
+    "pvary",
     "ragged_all_to_all",
 ]
 
@@ -228,7 +230,7 @@ def pmin(x: _T, axis_name: AxisName) -> _T:
     return _reduce("funcoll.lax.pmin", x, axis_name, "min", lambda n, _: n)
 
 
-def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> _T:
+def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying") -> _T:
     """Gather `x` from every rank of the mesh axis `axis_name` (``jax.lax.all_gather``).
 
     Args:
@@ -237,12 +239,22 @@ def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False
         axis: ``tiled=False``: where the new axis of size ``axis_size`` goes;
             ``tiled=True``: the dim the ranks' tensors are concatenated along.
         tiled: stack (False, JAX's default) or concatenate (True).
+        to: JAX's type of the result over `axis_name`. ``"varying"`` (default): the
+            ranks may use the result differently, so the backward sums their
+            gradients. ``"invarying"``: every rank uses it alike (JAX's
+            ``all_gather_invariant``), so each rank's gradient is already the whole
+            one and the backward only slices it. ``"reduced"`` needs JAX's typed
+            mode (``check_vma=True``), which funcoll does not track: ValueError, as
+            JAX raises with ``check_vma=False``.
 
     Returns:
         ``tiled=False``: ``x.shape`` with a new dim of size ``axis_size`` at `axis`,
         rank i's `x` at index i. ``tiled=True``: ``x.shape[axis]`` times ``axis_size``.
 
-    Backward: ``psum_scatter`` of the gradient along the same dim (JAX's transpose).
+    Backward: ``to="varying"``: ``psum_scatter`` of the gradient along the same dim
+    (JAX's transpose). ``to="invarying"``: this rank's slice of the gradient, no
+    communication (JAX's transpose of ``all_gather_invariant``, with
+    ``check_vma=False``: the slice of this rank's own cotangent).
 
     Example (2 ranks)::
 
@@ -251,15 +263,30 @@ def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False
         all_gather(x, "i", axis=1)    # both: [[0., 2.], [1., 3.]]
         all_gather(x, "i", tiled=True)  # both: [0., 1., 2., 3.]
         # backward with grad 1.0: rank 0 x.grad = [2., 2.], rank 1 [2., 2.]
+        all_gather(x, "i", to="invarying")  # both: [[0., 1.], [2., 3.]]
+        # backward with grad 1.0: rank 0 x.grad = [1., 1.], rank 1 [1., 1.]
     """
     opname = "funcoll.lax.all_gather"
+    if to not in ("varying", "invarying", "reduced"):
+        raise ValueError(f"{opname}: `to`={to!r} must be 'varying', 'invarying' or 'reduced' (JAX's values)")
     ax = resolve_axes(opname, axis_name)
+    if to == "reduced" and ax.group is not None:
+        raise ValueError(
+            f"{opname}: `to`='reduced' gathers a value typed varying over {axis_name!r} into a reduced one, "
+            f"which needs JAX's typed mode (check_vma=True); funcoll types no value varying, so, as JAX "
+            f"with check_vma=False, it refuses (use to='varying' or to='invarying')"
+        )
 
     def one(v: Tensor) -> Tensor:
         d = check_dim(opname, v, axis, "axis", extra=0 if tiled else 1)
         if ax.group is None:
             return v.clone() if tiled else v.unsqueeze(d).clone()
-        return _blocks(_even.all_gather(v, d, group=ax.group, tiled=tiled), d, ax.ranks)
+        if to == "invarying":
+            # not a public op, so no @entry resolves its group
+            gathered = _even.all_gather_invariant(v, d, resolve_group(opname, ax.group), tiled)
+        else:
+            gathered = _even.all_gather(v, d, group=ax.group, tiled=tiled)
+        return _blocks(gathered, d, ax.ranks)
 
     return _leaves(opname, x, one)
 
@@ -443,6 +470,65 @@ def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
     if any(isinstance(p, bool) or not isinstance(p, int) for p in srcs) or sorted(srcs) != list(range(size)):
         raise ValueError(f"{opname}: `perm`={perm!r} is not a permutation of range({size}), the axis size")
     return ppermute(x, axis_name, [(src, dst) for dst, src in enumerate(srcs)])
+
+
+_PCAST_TO = ("varying", "reduced", "unreduced")
+
+
+def pcast(x: _T, axis_name: AxisName, *, to: str) -> _T:
+    """Cast `x`'s type over the mesh axes `axis_name` (``jax.lax.pcast``); its values are unchanged.
+
+    In JAX's typed mode (``shard_map(check_vma=True)``) a value is invariant or
+    varying (or reduced) over each mesh axis, and ``pcast`` converts between the
+    types. funcoll runs as JAX with ``check_vma=False``, where no value is typed
+    varying: there, as in JAX, ``to="varying"`` and ``to="reduced"`` return `x`
+    as it is and ``to="unreduced"`` is refused (JAX: "Unsupported pcast
+    from=invarying"). Porting code keeps its ``pcast`` calls; they cost nothing.
+
+    Args:
+        x: a tensor (or a pytree of them).
+        axis_name: a mesh axis name, or a tuple of them (a set is a TypeError, as
+            in JAX); each must be an axis of the current mesh.
+        to: ``"varying"``, ``"reduced"`` or ``"unreduced"`` (JAX's values).
+
+    Returns:
+        `x`'s values: each tensor as a view of itself (no copy; do not modify it in
+        place).
+
+    Backward: the identity.
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        pcast(x, "i", to="varying")   # rank 0: [0., 1.]    rank 1: [2., 3.]
+        # backward with grad 1.0: rank 0 x.grad = [1., 1.], rank 1 [1., 1.]
+    """
+    opname = "funcoll.lax.pcast"
+    if isinstance(axis_name, (set, frozenset)):
+        raise TypeError(f"{opname}: `axis_name`={axis_name!r} must be a tuple or a str, not a set")
+    if not axis_name:  # JAX returns x before it reads `to`
+        return x
+    if to not in _PCAST_TO:
+        raise ValueError(f"{opname}: `to`={to!r} must be one of {_PCAST_TO} (JAX's values)")
+    axis_names(opname, axis_name, current_mesh(opname, axis_name))
+    if to == "unreduced":
+        raise ValueError(
+            f"{opname}: `to`='unreduced' casts a varying value over {axis_name!r}; funcoll types every value "
+            f"invarying (JAX with check_vma=False), and JAX refuses a pcast from invarying to unreduced"
+        )
+    return _leaves(opname, x, lambda v: v.view_as(v))
+
+
+def pvary(x: _T, axis_name: AxisName) -> _T:
+    """``pcast(x, axis_name, to="varying")``: JAX's older name (``jax.lax.pvary``, removed in JAX 0.10).
+
+    Example (2 ranks)::
+
+        # rank 0: x = [0., 1.]        rank 1: x = [2., 3.]
+        pvary(x, "i")                 # rank 0: [0., 1.]    rank 1: [2., 3.]
+        # backward with grad 1.0: rank 0 x.grad = [1., 1.], rank 1 [1., 1.]
+    """
+    return pcast(x, axis_name, to="varying")
 
 
 def axis_index(axis_name: AxisName) -> int:

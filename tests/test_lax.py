@@ -96,6 +96,17 @@ def lax_cases(world: int) -> list[Case]:
         Case("all_gather-3x5-axis1", "all_gather", (3, 5), "i", kw={"axis": 1}),
         Case("all_gather-3x5-axis-1", "all_gather", (3, 5), "i", kw={"axis": -1}),
         Case("all_gather-3x5-tiled-axis1", "all_gather", (3, 5), "i", kw={"axis": 1, "tiled": True}),
+        # JAX's invariant all-gather: the backward is this rank's slice of its own gradient
+        Case("all_gather-3x5-axis1-invarying", "all_gather", (3, 5), "i", kw={"axis": 1, "to": "invarying"}),
+        Case(
+            "all_gather-3x5-tiled-invarying",
+            "all_gather",
+            (3, 5),
+            "i",
+            kw={"tiled": True, "to": "invarying"},
+        ),
+        Case("pcast-3x2-varying", "pcast", (3, 2), "i", kw={"to": "varying"}),
+        Case("pcast-3-reduced", "pcast", (3,), "i", kw={"to": "reduced"}),
         Case(f"psum_scatter-{w}x3", "psum_scatter", (w, 3), "i"),
         Case(
             f"psum_scatter-3x{2 * w}-dim1-tiled",
@@ -156,6 +167,15 @@ def lax_cases(world: int) -> list[Case]:
             Case("all_gather-3x2-axis1-tp_dp", "all_gather", (3, 2), td, m, {"axis": 1}),
             Case("all_gather-2x3-axis1-tiled-tp_dp", "all_gather", (2, 3), td, m, {"axis": 1, "tiled": True}),
             Case(
+                "all_gather-2x3-axis1-tiled-invarying-tp_dp",
+                "all_gather",
+                (2, 3),
+                td,
+                m,
+                {"axis": 1, "tiled": True, "to": "invarying"},
+            ),
+            Case("pvary-2-tp_dp", "pvary", (2,), td, m),
+            Case(
                 "psum_scatter-3x8-dim1-tiled-tp_dp",
                 "psum_scatter",
                 (3, 8),
@@ -192,7 +212,11 @@ def reference(case: Case, xs: list[Tensor], k: int) -> Tensor:
         return torch.stack(xs).amax(0) if case.op == "pmax" else torch.stack(xs).amin(0)
     if case.op == "all_gather":
         axis = kw.get("axis", 0)
+        if kw.get("to") == "invarying":  # rank k's result carries the gradient of its own x only
+            xs = [x if i == k else x.detach() for i, x in enumerate(xs)]
         return torch.cat(xs, axis) if kw.get("tiled") else torch.stack(xs, axis)
+    if case.op in ("pcast", "pvary"):
+        return xs[k]
     if case.op == "psum_scatter":
         d = kw.get("scatter_dimension", 0)
         return torch.chunk(total, n, d)[k] if kw.get("tiled") else total.select(d, k)
@@ -575,6 +599,12 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             lambda v: v, meshes["i"], P(), P(), axis_names={"tp"}
         ),
         "psum_scatter-number": lambda: _in(meshes["i"], lambda: lax.psum_scatter(1.0, "i")),
+        "all_gather-to-unknown": lambda: _in(meshes["i"], lambda: lax.all_gather(x, "i", to="invariant")),
+        "all_gather-to-reduced": lambda: _in(meshes["i"], lambda: lax.all_gather(x, "i", to="reduced")),
+        "pcast-to-unknown": lambda: _in(meshes["i"], lambda: lax.pcast(x, "i", to="invarying")),
+        "pcast-to-unreduced": lambda: _in(meshes["i"], lambda: lax.pcast(x, "i", to="unreduced")),
+        "pcast-axis-set": lambda: _in(meshes["i"], lambda: lax.pcast(x, {"i"}, to="varying")),  # type: ignore[arg-type]
+        "pvary-unknown-axis": lambda: _in(meshes["i"], lambda: lax.pvary(x, "tp")),
     }
     if world == 4:
         calls["spec-names-an-auto-axis"] = lambda: funcoll.shard_map(
@@ -609,6 +639,12 @@ def _replicated(x: Tensor, m: Any) -> Any:
 
 EXPECTED_ERRORS = {
     "no-mesh": "ValueError: funcoll.lax.psum: `axis_name`='i' names a mesh axis, but no mesh is bound",
+    "all_gather-to-unknown": "ValueError: funcoll.lax.all_gather: `to`='invariant' must be 'varying', 'invarying'",
+    "all_gather-to-reduced": "ValueError: funcoll.lax.all_gather: `to`='reduced' gathers a value typed varying",
+    "pcast-to-unknown": "ValueError: funcoll.lax.pcast: `to`='invarying' must be one of",
+    "pcast-to-unreduced": "ValueError: funcoll.lax.pcast: `to`='unreduced' casts a varying value over 'i'",
+    "pcast-axis-set": "TypeError: funcoll.lax.pcast: `axis_name`={'i'} must be a tuple or a str, not a set",
+    "pvary-unknown-axis": "ValueError: funcoll.lax.pcast: `axis_name`='tp': 'tp' is not an axis of the mesh ('i',)",
     "unknown-axis": "ValueError: funcoll.lax.psum: `axis_name`='tp': 'tp' is not an axis of the mesh ('i',)",
     "not-a-name": "TypeError: funcoll.lax.psum: `axis_name` must be a mesh axis name",
     "psum_scatter-size": "ValueError: funcoll.lax.psum_scatter: x.shape[0]=3",

@@ -196,6 +196,14 @@ def op_cases(mesh: str, axis: Any) -> list[Case]:
         ("pmin-2x3", _op("pmin", axis), (2, 3), None),
         ("all_gather-3x2-axis1", _op("all_gather", axis, axis=1), (3, 2), "grad"),
         ("all_gather-2x3-tiled", _op("all_gather", axis, tiled=True), (2, 3), "grad"),
+        # JAX's invariant all-gather: the transpose is a slice of this rank's cotangent
+        ("all_gather-3x2-axis1-invarying", _op("all_gather", axis, axis=1, to="invarying"), (3, 2), "grad"),
+        (
+            "all_gather-2x3-tiled-invarying",
+            _op("all_gather", axis, tiled=True, to="invarying"),
+            (2, 3),
+            "grad",
+        ),
         (f"psum_scatter-{n}x3", _op("psum_scatter", axis), (n, 3), "grad"),
         (
             f"psum_scatter-3x{2 * n}-dim1-tiled",
@@ -216,6 +224,7 @@ def op_cases(mesh: str, axis: Any) -> list[Case]:
         ("ppermute-2-pairs", _op("ppermute", axis, perm=[(0, n - 1), (1, 0)]), (2,), "grad"),
         ("pshuffle-2-rotate", _op("pshuffle", axis, perm=[(i + 1) % n for i in range(n)]), (2,), "grad"),
         ("axis_index-size-2", _index(axis), (2,), "grad"),
+        ("pcast-2x3-varying", _op("pcast", axis, to="varying"), (2, 3), "grad"),
     ]
     return [Case(f"{name}-{mesh}-{a}", mesh, fn, (((shape), f),), grad) for name, fn, shape, grad in rows]
 
@@ -360,6 +369,7 @@ COMPILED = {  # funcoll's side of these runs compiled too (each compile costs se
     "ppermute-2-pairs-dp_tp-tp_dp",
     "pshuffle-2-rotate-dp_tp-tp_dp",
     "pmean-big-int64-dp_tp-tp_dp",
+    "all_gather-2x3-tiled-invarying-dp_tp-tp_dp",
 }
 
 
@@ -404,6 +414,12 @@ def _psum_to_replicated(lax: Any, ns: Any, x: Any) -> Any:
     return lax.psum(x * x, "tp")
 
 
+def _gather_invariant(lax: Any, ns: Any, x: Any, w: Any) -> Any:
+    """The sequence gathered as an invariant value, a layer applied alike on every rank, cast back."""
+    full = lax.all_gather(x, "tp", tiled=True, to="invarying")
+    return lax.pcast(ns.tanh(full @ w), "dp", to="reduced") * 2.0
+
+
 def map_cases() -> list[MapCase]:
     return [
         MapCase("mlp-dp_tp", "dp_tp", _mlp("tp"), ((4, 3), (3, 6), (6, 3)),
@@ -414,7 +430,27 @@ def map_cases() -> list[MapCase]:
         MapCase("seq_parallel-abc-c_b", "abc", _seq_parallel(("c", "b")), ((8, 3), (3, 3)),
                 ((("b", "c"), None), ()), (("b", "c"), None)),
         MapCase("psum-to-replicated-dp_tp", "dp_tp", _psum_to_replicated, ((3, 4),), ((None, "tp"),), ()),
+        MapCase("gather-invarying-dp_tp", "dp_tp", _gather_invariant, ((4, 3), (3, 3)), (("tp", None), ()), ()),
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ refusals
+@dataclass(frozen=True)
+class ErrCase:
+    """A program JAX refuses while tracing (``check_vma=False``), run on the ("dp", "tp") mesh: funcoll
+    must refuse it too, with the same exception class, before any collective."""
+
+    id: str
+    fn: Callable[[Any, Any], Any]  # fn(lax, x), x this rank's (1, 2) block
+
+
+ERR_CASES = [
+    ErrCase("all_gather-to-reduced", lambda lax, x: lax.all_gather(x, "tp", to="reduced")),
+    ErrCase("all_gather-to-invariant", lambda lax, x: lax.all_gather(x, "tp", to="invariant")),  # 'invarying'
+    ErrCase("pcast-to-unreduced", lambda lax, x: lax.pcast(x, "tp", to="unreduced")),
+    ErrCase("pcast-to-invarying", lambda lax, x: lax.pcast(x, ("dp", "tp"), to="invarying")),
+    ErrCase("pcast-axis-set", lambda lax, x: lax.pcast(x, {"tp"}, to="varying")),
+]
 
 
 # ------------------------------------------------------------------------------ JAX's side
@@ -530,6 +566,15 @@ def run_jax(path: str) -> None:
             out[c.id]["op"] = list(np.asarray(jax.jit(op)(*stacked(c))))
         except Exception as e:  # noqa: BLE001 -- recorded, and the jnp semantics stand in
             out[c.id]["op_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for e in ERR_CASES:
+        rows = P(MESHES["dp_tp"][1])
+        prog = jax.shard_map(lambda b, e=e: e.fn(lax, b), mesh=meshes["dp_tp"], in_specs=rows, out_specs=rows,
+                             check_vma=False)  # fmt: skip
+        try:
+            jax.jit(prog)(np.zeros((4, 2)))
+            out[e.id] = {"raised": None}
+        except Exception as err:  # noqa: BLE001 -- the class is what the test compares
+            out[e.id] = {"raised": type(err).__name__, "message": str(err).splitlines()[0][:200]}
     with open(path, "wb") as fh:
         pickle.dump(out, fh)
 
@@ -585,6 +630,15 @@ def _run_map_case(mc: MapCase, m: Any) -> dict[str, Any]:
     return {"y": y.detach().numpy(), "grads": [x.grad.numpy() for x in xs], "in_flight": in_flight()}
 
 
+def _run_err_case(e: ErrCase, m: Any) -> dict[str, Any]:
+    try:
+        with flax.mesh(m):
+            e.fn(flax, torch.zeros(1, 2, dtype=torch.float64))
+        return {"raised": None, "in_flight": in_flight()}
+    except Exception as err:  # noqa: BLE001 -- compared with JAX's
+        return {"raised": type(err).__name__, "message": str(err), "in_flight": in_flight()}
+
+
 def body(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -602,6 +656,9 @@ def body(rank: int, world: int) -> dict[str, Any]:
             jobs.append((c.id + "-compiled", lambda c=c, f=compiled: _run_case(c, f, rank)))
     for mc in (mc for mc in map_cases() if mc.mesh in meshes):
         jobs.append((mc.id, lambda mc=mc: _run_map_case(mc, meshes[mc.mesh])))
+    if "dp_tp" in meshes:
+        for e in ERR_CASES:
+            jobs.append((e.id, lambda e=e: _run_err_case(e, meshes["dp_tp"])))
     for key, job in jobs:
         try:
             res[key] = job()
@@ -692,9 +749,23 @@ def test_shard_map_matches_jax(case: MapCase, oracle: dict[str, Any]) -> None:
             _same(g, w, f"rank {r}, {key}, gradient {k}")
 
 
+@pytest.mark.parametrize("case", ERR_CASES, ids=lambda e: e.id)
+def test_refusals_match_jax(case: ErrCase, oracle: dict[str, Any]) -> None:
+    """What JAX refuses while tracing, funcoll refuses before any collective: the same class, on every rank."""
+    want = oracle[case.id]
+    assert want["raised"] is not None, f"{case.id}: JAX ran it; the case is stale"
+    for r, got in enumerate(batch(WORLD["dp_tp"])):
+        got = got[case.id]
+        assert got["raised"] == want["raised"], f"rank {r}: funcoll {got}, JAX {want}"
+        assert got["message"].startswith("funcoll.lax."), got["message"]
+        assert got["in_flight"] == 0
+
+
 def test_oracle_is_jax_and_cpu_has_no_ragged_all_to_all(oracle: dict[str, Any], report: Any) -> None:
     """The version the suite compared with, and the reason ragged_all_to_all's cases use jnp."""
-    report(f"test_lax_jax: {len(ALL) + len(map_cases())} programs compared with jax {oracle['jax']}")
+    report(
+        f"test_lax_jax: {len(ALL) + len(map_cases()) + len(ERR_CASES)} programs compared with jax {oracle['jax']}"
+    )
     ragged = [c.id for c in ALL if c.jnp_ref is not None]
     for key in ragged:
         assert "op" in oracle[key] or "not supported by XLA:CPU" in oracle[key]["op_error"], oracle[key]

@@ -137,7 +137,7 @@ ENTRY_STEPS_ELSEWHERE = {
     ("funcoll.moe._dispatch", "resolve_group"): 2,  # dispatch once (the handle keeps the group), combine once
     ("funcoll.moe._dropless", "resolve_group"): 1,  # Dropless: a bad group refused at construction
     ("funcoll.compat", "resolve_group"): 2,  # the seeds' default world; all_gather_into_tensor's out buffer
-    ("funcoll.lax", "resolve_group"): 1,  # shard_map's mesh axes
+    ("funcoll.lax", "resolve_group"): 2,  # shard_map's mesh axes; all_gather(to="invarying"), no public op
     ("funcoll.testing", "resolve_group"): 1,  # print_ranks: a report's group, in any form the ops take
     ("funcoll._base._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
 }

@@ -125,6 +125,28 @@ def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
     return _AllGather.apply(x, group_name, world)
 
 
+class _AllGatherInvariant(Primitive):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str, world: int, rank: int) -> Tensor:
+        _faults.remember(ctx)
+        ctx.start, ctx.len = ctx_ints([rank * x.shape[0], x.shape[0]])
+        return all_gather_impl(x, group_name, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad.narrow(0, ctx.start, ctx.len).contiguous(), None, None, None
+
+
+def all_gather_invariant_p(x: Tensor, group_name: str, world: int, rank: int) -> Tensor:
+    """:func:`all_gather_p` whose backward keeps this rank's rows of the gradient: no communication.
+
+    The transpose of an all_gather whose result every rank then uses alike (JAX's
+    ``all_gather(..., to="invarying")``): each rank's cotangent is already the whole
+    one, so its slice is the input's, where :func:`all_gather_p` sums the slices.
+    """
+    return _AllGatherInvariant.apply(x, group_name, world, rank)
+
+
 # ----------------------------------------------------------------------- reduce_scatter_p
 def _avg_as_sum(
     collective: str, group_name: str, x: Tensor, reduce_op: str, world: int, issue: Any

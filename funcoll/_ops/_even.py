@@ -28,6 +28,7 @@ from .._base._quant import Wire, pair_code
 from .._base._sym import prod
 from .._base._wire import unwire, wire, wire_op
 from .._collective import _prims
+from .._collective._faults import public_op
 from .._collective._header import (
     ARG1,
     DIM,
@@ -160,6 +161,8 @@ def _all_gather(
     tiled: bool,
     wire_as: Wire | None = None,
     grad_wire: Wire | None = None,
+    *,
+    invariant: bool = False,
 ) -> Tensor:
     tiled = tiled and x.dim() > 0  # a 0-d x has no dim to concatenate: its values are stacked
     d = check_dim(opname, x, dim, extra=0 if tiled else 1)
@@ -171,8 +174,12 @@ def _all_gather(
         stacked = all_gather_wire_p(x, g.name, g.size, wire_as, grad_wire)  # (world, *x.shape)
     else:
         # A 0-d x travels as one element (the backends want at least one dim).
+        rows = wire(x).reshape(1) if x.dim() == 0 else wire(x)
         gathered = unwire(
-            _prims.all_gather_p(wire(x).reshape(1) if x.dim() == 0 else wire(x), g.name, g.size), x.dtype
+            _prims.all_gather_invariant_p(rows, g.name, g.size, g.rank)
+            if invariant
+            else _prims.all_gather_p(rows, g.name, g.size),
+            x.dtype,
         )
         if tiled and d == 0:  # as it arrives: no view of an eager pending result (each a Python dispatch)
             return gathered
@@ -180,6 +187,20 @@ def _all_gather(
     if not tiled:
         return from_rows(stacked, x.dtype, d)
     return _merge_rank_axis(stacked, d)
+
+
+@public_op("all_gather")
+def all_gather_invariant(x: Tensor, dim: int, group: Group, tiled: bool) -> Tensor:
+    """:func:`all_gather` whose backward keeps this rank's slice of the gradient, with no collective.
+
+    ``funcoll.lax.all_gather(..., to="invarying")``: JAX's invariant all-gather, whose
+    transpose is a slice (every rank's cotangent of an invariant result is the whole
+    one), where :func:`all_gather`'s is a reduce_scatter. Megatron's
+    ``gather_from_tensor_model_parallel_region`` for equal pieces
+    (:func:`funcoll.gather_forward_split_backward` takes ragged ones). Failures name
+    ``all_gather``, the collective it issues. `group` is resolved by the caller.
+    """
+    return _all_gather("funcoll.all_gather", x, dim, group, tiled, invariant=True)
 
 
 @entry(
