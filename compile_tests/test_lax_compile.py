@@ -31,6 +31,7 @@ After every run, compiled or eager, no collective is left unwaited
 
 from __future__ import annotations
 
+import itertools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +44,11 @@ from torch import Tensor
 import funcoll
 import funcoll.lax as lax
 from funcoll import P
-from funcoll.testing import run_ranks, settled
+from funcoll.testing import graph_collectives, run_ranks, settled
 
 WORLD = 4
 TIMEOUT_S = 240.0
+TYPED = "-check_vma"  # a port's key when it runs in shard_map(check_vma=True)
 F64 = torch.float64
 B, S, D, H = 4, 8, 6, 8  # batch, sequence, model dim, hidden dim
 
@@ -224,13 +226,17 @@ def body(rank: int, world: int) -> dict[str, Any]:
             out[name]["host_reads"] = [_host_reads(gm) for gm in graphs]
         except Exception:  # noqa: BLE001 -- reported by the op's test
             out[name] = {"error": traceback.format_exc(limit=-10)}
-    for name, (fn, _, _, in_specs, out_specs) in PORTS.items():
+    for (name, (fn, _, _, in_specs, out_specs)), check_vma in itertools.product(PORTS.items(), (False, True)):
+        key = name + (TYPED if check_vma else "")
         try:
-            mapped = funcoll.shard_map(fn, m, in_specs, out_specs)
-            runs = {}
+            mapped = funcoll.shard_map(fn, m, in_specs, out_specs, check_vma=check_vma)
+            backend, graphs = (
+                _keeping_backend()
+            )  # the forward and backward graphs, to count their collectives
+            runs: dict[str, Any] = {}
             for kind, f in (
                 ("eager", mapped),
-                ("compiled", torch.compile(mapped, fullgraph=True, backend="aot_eager")),
+                ("compiled", torch.compile(mapped, fullgraph=True, backend=backend)),
             ):
                 inputs = [t.clone().requires_grad_() for t in _port_inputs(name)]
                 y = f(*inputs)
@@ -238,9 +244,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 (full * _port_weight(name, tuple(full.shape))).sum().backward()
                 runs[kind] = settled({"y": full.detach(), "placements": [str(p) for p in y.placements],
                                       "grads": [t.grad for t in inputs]})  # fmt: skip
-            out[name] = runs
+            runs["collectives"] = [[c.op for c in graph_collectives(gm)] for gm in graphs]
+            out[key] = runs
         except Exception:  # noqa: BLE001
-            out[name] = {"error": traceback.format_exc(limit=-10)}
+            out[key] = {"error": traceback.format_exc(limit=-10)}
     try:
         fn, _, _, in_specs, out_specs = PORTS["megatron_mlp"]
         compiled = torch.compile(
@@ -257,8 +264,27 @@ def body(rank: int, world: int) -> dict[str, Any]:
                                                   "grads": [t.grad.full_tensor() for t in inputs]})}  # fmt: skip
     except Exception:  # noqa: BLE001
         out[DTENSOR_PORT] = {"error": traceback.format_exc(limit=-10)}
+    try:  # funcoll.typeof inside a compiled typed f: constants of the trace, the same as eager
+        typed_f = funcoll.shard_map(_typeof_sizes, m, P("dp", "tp"), P("dp", "tp"), check_vma=True)
+        x = _rand(4, 4, key="typeof")
+        out["typeof"] = {
+            "eager": settled({"y": typed_f(x).full_tensor()}),
+            "compiled": settled(
+                {"y": torch.compile(typed_f, fullgraph=True, backend="aot_eager")(x).full_tensor()}
+            ),
+        }
+    except Exception:  # noqa: BLE001
+        out["typeof"] = {"error": traceback.format_exc(limit=-10)}
     out["graph_breaks"] = dict(counters["graph_break"])
     return out
+
+
+def _typeof_sizes(x: Tensor) -> Tensor:
+    """`x` times 100, 10 and 1 times the number of axes `x`, its psum over "tp" and its all_gather over
+    "dp" vary over: 2, 1 and 2 (``funcoll.typeof``), so 212 * x."""
+    s, g = lax.psum(x, "tp"), lax.all_gather(x, "dp", tiled=True)
+    k = 100 * len(funcoll.typeof(x).vma) + 10 * len(funcoll.typeof(s).vma) + len(funcoll.typeof(g).vma)
+    return x * k
 
 
 def _keeping_backend() -> tuple[Callable[..., Any], list[torch.fx.GraphModule]]:
@@ -334,15 +360,18 @@ def test_compiled_shard_map_of_dtensor_inputs_equals_single_process() -> None:
             torch.testing.assert_close(g, w, msg=lambda m, r=r, i=i: f"rank {r}, input {i}: {m}")
 
 
+@pytest.mark.parametrize("check_vma", [False, True], ids=["untyped", "check_vma"])
 @pytest.mark.parametrize("name", list(PORTS))
-def test_port_compiled_equals_eager_and_single_process(name: str) -> None:
+def test_port_compiled_equals_eager_and_single_process(name: str, check_vma: bool) -> None:
+    """Each port, in JAX's untyped mode and its typed one (check_vma=True): the same global values and
+    gradients, compiled fullgraph and eager."""
     _, ref, _, _, out_specs = PORTS[name]
     inputs = [t.requires_grad_() for t in _port_inputs(name)]
     want = ref(*inputs)
     grads = torch.autograd.grad((want * _port_weight(name, tuple(want.shape))).sum(), inputs)
     expected_placements = ["S(0)", "R"] if out_specs == P("dp", None) else ["S(0)", "S(1)"]
     for r, res in enumerate(results()):
-        got = _ok(res, r, name)
+        got = _ok(res, r, name + (TYPED if check_vma else ""))
         for kind in ("eager", "compiled"):
             where = f"rank {r} {kind}"
             assert got[kind]["placements"] == expected_placements, where
@@ -350,3 +379,24 @@ def test_port_compiled_equals_eager_and_single_process(name: str) -> None:
             for i, (g, w) in enumerate(zip(got[kind]["grads"], grads, strict=True)):
                 torch.testing.assert_close(g, w, msg=lambda m, at=f"{where}, input {i}": f"{at}: {m}")
         torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"])
+
+
+@pytest.mark.parametrize("name", list(PORTS))
+def test_typed_port_compiles_to_no_more_collectives(name: str) -> None:
+    """The typed mode's transposes in the compiled graphs: psum's moves nothing, so the typed graphs hold
+    the same forward collectives and no more backward ones than the untyped graphs (fewer where a psum's
+    gradient is no longer summed again)."""
+    for r, res in enumerate(results()):
+        untyped, typed = _ok(res, r, name)["collectives"], _ok(res, r, name + TYPED)["collectives"]
+        assert len(typed) == len(untyped) == 2, f"rank {r}: graphs {len(untyped)}, {len(typed)}"
+        assert typed[0] == untyped[0], f"rank {r}: forward collectives {untyped[0]} -> {typed[0]}"
+        assert len(typed[1]) <= len(untyped[1]), f"rank {r}: backward {untyped[1]} -> {typed[1]}"
+
+
+def test_typeof_compiles_to_its_eager_types() -> None:
+    """``funcoll.typeof(...).vma`` in a compiled ``shard_map(check_vma=True)``: the axes JAX's rules give."""
+    want = 212 * _rand(4, 4, key="typeof")
+    for r, res in enumerate(results()):
+        got = _ok(res, r, "typeof")
+        for kind in ("eager", "compiled"):
+            torch.testing.assert_close(got[kind]["y"], want, msg=lambda m, k=kind, r=r: f"rank {r} {k}: {m}")

@@ -45,8 +45,8 @@ EXPANDED: dict[str, tuple[str, ...]] = {
 }
 # Functions that return an exception for their caller to raise; their own messages are read where
 # they build it, so `raise ax.refuse(...)`, `raise _faults.failed(...)` and gather's
-# `raise _grad_to_dst(...)` need nothing more.
-BUILDERS = {"refuse", "failed", "_grad_to_dst"}
+# `raise _grad_to_dst(...)` and funcoll.lax's `raise _no_reduced(...)` need nothing more.
+BUILDERS = {"refuse", "failed", "_grad_to_dst", "_no_reduced"}
 
 # (module, function) -> why its `raise` is not read statically. Keep each reason true.
 UNEXTRACTABLE: dict[tuple[str, str], str] = {

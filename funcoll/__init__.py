@@ -28,6 +28,7 @@ from ._ops._region import gather_forward_split_backward, split_forward_gather_ba
 from ._ops._shard import from_ragged, to_ragged
 from ._ops._static import all_to_all_padded, gather_padded
 from ._shard_map import P, shard_map
+from ._vma import typeof
 
 __version__ = "0.1.0"
 
@@ -62,5 +63,6 @@ __all__ = [
     "split_forward_gather_backward",
     "split_sizes",
     "to_ragged",
+    "typeof",
     "wait",
 ]

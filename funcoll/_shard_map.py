@@ -41,6 +41,7 @@ from ._base._dtensor import contiguous_strides, is_placement
 from ._base._group import GroupLike
 from ._base._sym import prod
 from ._collective._phase import Primitive
+from ._collective._typed import CAST, plain, typed, vma_of
 
 __all__ = [
     "Axes",
@@ -59,6 +60,8 @@ AxisName = str | tuple[str, ...]
 
 # The meshes bound by shard_map and `funcoll.lax.mesh`, innermost last.
 _MESHES: list[DeviceMesh] = []
+# The check_vma of each enclosing shard_map, innermost last (funcoll._vma reads it).
+TYPED: list[bool] = []
 
 
 class P(tuple):
@@ -286,7 +289,7 @@ def _replicas(spec: P, device_mesh: DeviceMesh) -> int:
     return prod([device_mesh.size(i) for i, n in enumerate(names) if n not in mentioned])
 
 
-def _to_local(opname: str, x: Tensor, spec: P, device_mesh: DeviceMesh) -> Tensor:
+def _to_local(opname: str, x: Tensor, spec: P, device_mesh: DeviceMesh, check_vma: bool = False) -> Tensor:
     """The local shard of `x` (a DTensor, or a plain tensor holding the global value) under `spec`."""
     placements = placements_of(opname, spec, device_mesh, x.dim(), "in_specs")
     for d in range(len(spec)):
@@ -303,19 +306,27 @@ def _to_local(opname: str, x: Tensor, spec: P, device_mesh: DeviceMesh) -> Tenso
         x = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
     if tuple(x.placements) != tuple(placements):
         x = x.redistribute(device_mesh, placements)
+    if check_vma:
+        # JAX's typed mode: the value varies over the axes its spec names, and the gradient of an
+        # input replicated over an axis is invariant there already (the casts inside f psummed it).
+        return typed(x.to_local(grad_placements=placements), _named(spec))
     # An input replicated over an axis gets the sum of its replicas' local gradients (JAX's
     # shard_map transpose psums it there): Partial("sum") says so, and DTensor reduces it.
     grads = [Partial("sum") if is_placement(p, Replicate) else p for p in placements]
     return x.to_local(grad_placements=grads)
 
 
-def _from_local(opname: str, y: Tensor, spec: P, device_mesh: DeviceMesh) -> DTensor:
+def _from_local(
+    opname: str, y: Tensor, spec: P, device_mesh: DeviceMesh, check_vma: bool = False, where: str = ""
+) -> DTensor:
     placements = placements_of(opname, spec, device_mesh, y.dim(), "out_specs")
     shape = [
         y.shape[d] * _divisor(spec, device_mesh, d) if d < len(spec) else y.shape[d] for d in range(y.dim())
     ]
-    replicas = _replicas(spec, device_mesh)
-    if replicas > 1:  # JAX (check_vma=False): a replicated output's cotangent is split over its replicas
+    if check_vma:  # JAX's check of the spec; the cotangent enters whole (the types say where it varies)
+        y = _checked_output(opname, y, where, spec)
+    elif (replicas := _replicas(spec, device_mesh)) > 1:
+        # JAX (check_vma=False): a replicated output's cotangent is split over its replicas
         y = _ScaleGrad.apply(y, 1.0 / replicas)
     return DTensor.from_local(
         y.contiguous(),
@@ -327,20 +338,54 @@ def _from_local(opname: str, y: Tensor, spec: P, device_mesh: DeviceMesh) -> DTe
     )
 
 
-def _map(opname: str, fn: Callable[[Tensor, P], Any], tree: Any, specs: Any, arg: str) -> Any:
-    """Apply `fn` to every tensor of `tree` with its spec; `specs` is a prefix of `tree` (a P covers a subtree)."""
+def _named(spec: P) -> frozenset[str]:
+    return frozenset(a for entry in spec for a in _entry_axes(entry))  # type: ignore[misc]
+
+
+def _checked_output(opname: str, y: Tensor, where: str, spec: P) -> Tensor:
+    """A typed output checked against its out spec, then plain (JAX's check with ``check_vma=True``).
+
+    An output that varies over an axis its spec does not name is refused; one that
+    varies over fewer axes than its spec names is cast to vary over them (JAX's
+    automatic ``pcast``), whose backward psums its cotangent there.
+    """
+    named, have = _named(spec), vma_of(y)
+    extra = sorted(have - named)
+    if extra:
+        axis = extra[0]
+        raise ValueError(
+            f"{opname}: output {where} has `out_specs`={spec!r}, which says it is replicated over {axis!r}, "
+            f"but its value varies over {axis!r} (funcoll.typeof(y).vma={set(sorted(have))}); reduce it over "
+            f"{axis!r} first (funcoll.lax.psum or pmean), name {axis!r} in its spec, or pass check_vma=False "
+            f"to trust the spec (JAX raises the same with check_vma=True)"
+        )
+    p = plain(y)
+    missing = named - have
+    if missing and p.requires_grad and torch.is_grad_enabled():
+        p = CAST[0](p, missing)
+    return p
+
+
+def _map(
+    opname: str, fn: Callable[[Tensor, P, str], Any], tree: Any, specs: Any, arg: str, path: str = ""
+) -> Any:
+    """Apply `fn` to every tensor of `tree` with its spec and its path (``[0]['a']``); `specs` is a prefix
+    of `tree` (a P covers a subtree)."""
     if isinstance(specs, P):
         if isinstance(tree, Tensor):
-            return fn(tree, specs)
+            return fn(tree, specs, path)
         if isinstance(tree, (list, tuple)):
-            return type(tree)(_map(opname, fn, t, specs, arg) for t in tree)
+            return type(tree)(_map(opname, fn, t, specs, arg, f"{path}[{i}]") for i, t in enumerate(tree))
         if isinstance(tree, dict):
-            return {k: _map(opname, fn, v, specs, arg) for k, v in tree.items()}
+            return {k: _map(opname, fn, v, specs, arg, f"{path}[{k!r}]") for k, v in tree.items()}
         return tree  # a Python number, None: passed through
     if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
-        return type(tree)(_map(opname, fn, t, s, arg) for t, s in zip(tree, specs, strict=True))
+        return type(tree)(
+            _map(opname, fn, t, s, arg, f"{path}[{i}]")
+            for i, (t, s) in enumerate(zip(tree, specs, strict=True))
+        )
     if isinstance(specs, dict) and isinstance(tree, dict) and specs.keys() == tree.keys():
-        return {k: _map(opname, fn, tree[k], specs[k], arg) for k in tree}
+        return {k: _map(opname, fn, tree[k], specs[k], arg, f"{path}[{k!r}]") for k in tree}
     raise ValueError(
         f"{opname}: `{arg}`={specs!r} does not match the structure of the values it describes "
         f"(a funcoll.P, or a tuple/list/dict of them shaped like the values)"
@@ -379,11 +424,17 @@ def shard_map(
             placements are ``Replicate()`` in and out (a DTensor input sharded over
             one is gathered first), where JAX leaves their sharding to its compiler.
             Values and gradients are JAX's.
-        check_vma: False, or left out: funcoll behaves as JAX's ``shard_map`` with
-            ``check_vma=False``. True is refused (NotImplementedError): funcoll does
-            not track which values vary over which axes, so it cannot check
-            `out_specs` as JAX does. (JAX's default is True; its gradients are the
-            same either way for out specs that hold.)
+        check_vma: True: JAX's typed mode (JAX's default). Every value in `f` knows
+            the mesh axes it varies over (:func:`funcoll.typeof`), each
+            ``funcoll.lax`` collective has JAX's type rule, an output that varies over
+            an axis its out spec says it is replicated over raises a ValueError
+            naming the output and the axis, and the gradients take JAX's typed
+            transposes (``psum``'s moves nothing). False, or left out: JAX's
+            ``check_vma=False``, funcoll's behaviour before the typed mode: nothing is
+            typed, out specs are trusted, ``psum``'s transpose is ``psum``. funcoll's
+            default stays False (docs/jax.md says why); gradients agree for out
+            specs that hold, except where the untyped rules differ from the typed
+            ones (an ``all_gather(to="invarying")`` into a sharded output).
         check_rep: the older name of `check_vma` (``jax.experimental.shard_map``);
             pass one of the two.
 
@@ -392,16 +443,19 @@ def shard_map(
         the placements of `out_specs` (``Shard(d)`` per axis named at dim d,
         ``Replicate()`` elsewhere) and the global shape: each local output's
         sharded dims times their axes' sizes. ``y.full_tensor()`` is the global
-        value, ``y.to_local()`` this rank's shard. As with JAX's ``check_vma=False``,
-        a spec that says an output is replicated is trusted, not checked.
+        value, ``y.to_local()`` this rank's shard. With ``check_vma=False``, as in
+        JAX, a spec that says an output is replicated is trusted, not checked.
 
     Backward: gradients are those of the global function (a loss computed on the
-    DTensor outputs, e.g. from ``full_tensor()``), as in JAX: the cotangent of an
-    output replicated over axes A enters `f` divided by their size (each replica
-    carries its share), the collectives inside transpose as JAX's do (``psum`` to
-    ``psum``, ``all_gather`` to ``psum_scatter``), and an input's local gradient
-    is summed over the axes its spec does not mention (``Partial("sum")`` there).
-    A plain-tensor input gets the whole global gradient on every rank.
+    DTensor outputs, e.g. from ``full_tensor()``), as in JAX. ``check_vma=False``:
+    the cotangent of an output replicated over axes A enters `f` divided by their
+    size (each replica carries its share), the collectives inside transpose as
+    JAX's do (``psum`` to ``psum``, ``all_gather`` to ``psum_scatter``), and an
+    input's local gradient is summed over the axes its spec does not mention
+    (``Partial("sum")`` there). ``check_vma=True``: the cotangent enters whole,
+    ``psum``'s transpose moves nothing, and each cast of an invariant value to a
+    varying one (``pcast``, or the one JAX makes when the two meet) psums its
+    gradient. A plain-tensor input gets the whole global gradient on every rank.
 
     In the example, `mesh` is ``init_device_mesh("cpu", (2,), mesh_dim_names=("i",))``
     and `x` holds the global value on both ranks.
@@ -430,7 +484,7 @@ def shard_map(
         raise TypeError(f"{opname}: `mesh` must be a DeviceMesh, got {type(mesh).__name__}")
     if not mesh.mesh_dim_names:
         raise ValueError(f"{opname}: `mesh` needs mesh_dim_names, the axis names specs and collectives use")
-    _check_vma(opname, check_vma, check_rep)
+    typed = _check_vma(opname, check_vma, check_rep)
     manual = _manual_axes(opname, mesh, axis_names)
     for arg, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
         for s in _leaves(specs):
@@ -448,37 +502,55 @@ def shard_map(
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
-        specs = in_specs if isinstance(in_specs, P) else tuple(in_specs)
-        if not isinstance(specs, P) and len(specs) != len(args):
-            raise ValueError(f"{opname}: `in_specs` has {len(specs)} specs for {len(args)} arguments")
-        prefix = specs if isinstance(specs, P) else list(specs)
-        local = _map(
-            opname, lambda x, s: _to_local(opname, x, s, device_mesh), list(args), prefix, "in_specs"
-        )
-        _MESHES.append(bound)
-        try:
-            out = f(*local)
-        finally:
-            _MESHES.pop()
-        return _map(opname, lambda y, s: _from_local(opname, y, s, device_mesh), out, out_specs, "out_specs")
+        return _run(opname, f, args, in_specs, out_specs, device_mesh, bound, typed)
 
     return mapped
 
 
-def _check_vma(opname: str, check_vma: object, check_rep: object) -> None:
-    """funcoll is JAX's shard_map with check_vma=False; refuse True, under either name."""
+def _run(
+    opname: str,
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    in_specs: Any,
+    out_specs: Any,
+    device_mesh: DeviceMesh,
+    bound: DeviceMesh,
+    typed: bool,
+) -> Any:
+    """One call of a shard_map: the inputs' local shards, `f` with `bound` bound, the outputs wrapped."""
+    specs = in_specs if isinstance(in_specs, P) else tuple(in_specs)
+    if not isinstance(specs, P) and len(specs) != len(args):
+        raise ValueError(f"{opname}: `in_specs` has {len(specs)} specs for {len(args)} arguments")
+    prefix = specs if isinstance(specs, P) else list(specs)
+    local = _map(
+        opname, lambda x, s, _: _to_local(opname, x, s, device_mesh, typed), list(args), prefix, "in_specs"
+    )
+    _MESHES.append(bound)
+    TYPED.append(typed)
+    try:  # the outputs are checked and cast with the mesh still bound
+        out = f(*local)
+        return _map(
+            opname,
+            lambda y, s, where: _from_local(opname, y, s, device_mesh, typed, where or "0"),
+            out,
+            out_specs,
+            "out_specs",
+        )
+    finally:
+        TYPED.pop()
+        _MESHES.pop()
+
+
+def _check_vma(opname: str, check_vma: object, check_rep: object) -> bool:
+    """The typed mode asked for, under either name: True, or False (also when left out)."""
     if check_vma is not None and check_rep is not None:
         raise TypeError(f"{opname}: pass `check_vma` or its older name `check_rep`, not both")
     arg, value = ("check_rep", check_rep) if check_rep is not None else ("check_vma", check_vma)
-    if value is None or value is False:
-        return
-    if value is not True:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
         raise TypeError(f"{opname}: `{arg}` must be a bool, got {value!r}")
-    raise NotImplementedError(
-        f"{opname}: `{arg}`=True is not supported: funcoll does not track which values vary over which "
-        f"mesh axes, so it cannot check `out_specs`; it behaves as JAX's shard_map with {arg}=False "
-        f"(pass {arg}=False, or leave it out)"
-    )
+    return value
 
 
 def _manual_axes(opname: str, device_mesh: DeviceMesh, axis_names: object) -> tuple[str, ...]:

@@ -46,8 +46,10 @@ from ._base._checks import check_dim
 from ._base._dtensor import is_dtensor
 from ._base._group import resolve_group
 from ._base._sym import prod
+from ._collective._typed import Typed, plain, typed, vma_of
 from ._ops import _even
 from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, resolve_axes
+from ._vma import TYPED, pvary_to, typed_leaf, typed_mode
 
 __all__ = [
     "all_gather",
@@ -116,13 +118,19 @@ def _blocks(v: Tensor, d: int, order: Sequence[int] | None) -> Tensor:
 
 def _reduce(opname: str, x: _T, axis_name: AxisName, op: str, number: Callable[[Any, int], Any]) -> _T:
     ax = resolve_axes(opname, axis_name)  # the order of the axes does not change a reduction
+    # The typed mode's result is invariant, so its transpose moves nothing (no psum in the backward).
+    group = resolve_group(opname, ax.group) if typed_mode() and ax.group is not None else None
 
     def one(v: Tensor) -> Tensor:
         if v.dtype == torch.bool and op == "sum":  # JAX sums booleans as int32; pmax/pmin keep bool
             v = v.to(torch.int32)
-        return _even.all_reduce(v, group=ax.group, op=op) if ax.group is not None else v.clone()
+        if ax.group is None:
+            return v.clone()
+        if group is not None:
+            return _even.all_reduce_invariant(v, group, op)
+        return _even.all_reduce(v, group=ax.group, op=op)
 
-    return _leaves(opname, x, one, lambda n: number(n, ax.size))
+    return _leaves(opname, x, typed_leaf(opname, axis_name, "reduce", one), lambda n: number(n, ax.size))
 
 
 def psum(x: _T, axis_name: AxisName) -> _T:
@@ -270,6 +278,8 @@ def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False
     if to not in ("varying", "invarying", "reduced"):
         raise ValueError(f"{opname}: `to`={to!r} must be 'varying', 'invarying' or 'reduced' (JAX's values)")
     ax = resolve_axes(opname, axis_name)
+    if to == "reduced" and ax.group is not None and typed_mode():
+        raise _no_reduced(opname, to)
     if to == "reduced" and ax.group is not None:
         raise ValueError(
             f"{opname}: `to`='reduced' gathers a value typed varying over {axis_name!r} into a reduced one, "
@@ -288,7 +298,8 @@ def all_gather(x: _T, axis_name: AxisName, *, axis: int = 0, tiled: bool = False
             gathered = _even.all_gather(v, d, group=ax.group, tiled=tiled)
         return _blocks(gathered, d, ax.ranks)
 
-    return _leaves(opname, x, one)
+    rule = "invariant" if to == "invarying" else "varying"
+    return _leaves(opname, x, typed_leaf(opname, axis_name, rule, one))
 
 
 def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False) -> _T:
@@ -339,7 +350,7 @@ def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tile
             return v.clone() if tiled else v.squeeze(d).clone()
         return _even.reduce_scatter(_blocks(v, d, ax.order), d, group=ax.group, op="sum", tiled=tiled)
 
-    return _leaves(opname, x, one)
+    return _leaves(opname, x, typed_leaf(opname, axis_name, "varying", one))
 
 
 def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False) -> _T:
@@ -403,7 +414,7 @@ def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *,
             y = _blocks(_even.all_to_all(_blocks(v, s, ax.order), ax.group, s, c), c, ax.ranks)
         return y.squeeze(s) if not tiled and s != c else y
 
-    return _leaves(opname, x, one)
+    return _leaves(opname, x, typed_leaf(opname, axis_name, "varying", one))
 
 
 def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
@@ -435,12 +446,16 @@ def ppermute(x: _T, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> _T:
     opname = "funcoll.lax.ppermute"
     ax = resolve_axes(opname, axis_name)
     pairs = [tuple(p) for p in perm]
-    if ax.group is None:
-        return _leaves(opname, x, lambda v: v.clone() if (0, 0) in pairs else torch.zeros_like(v))
-    # The indices are the group's ranks as they are: JAX numbers a ppermute's pairs in mesh order
-    # whatever the tuple's order (its lowering sorts each replica group), so `ax.ranks` is not
-    # applied here. The op checks the pairs.
-    return _leaves(opname, x, lambda v: _even.ppermute(v, pairs, group=ax.group))  # type: ignore[arg-type]
+
+    def one(v: Tensor) -> Tensor:
+        if ax.group is None:
+            return v.clone() if (0, 0) in pairs else torch.zeros_like(v)
+        # The indices are the group's ranks as they are: JAX numbers a ppermute's pairs in mesh order
+        # whatever the tuple's order (its lowering sorts each replica group), so `ax.ranks` is not
+        # applied here. The op checks the pairs.
+        return _even.ppermute(v, pairs, group=ax.group)  # type: ignore[arg-type]
+
+    return _leaves(opname, x, typed_leaf(opname, axis_name, "varying", one))
 
 
 def pshuffle(x: _T, axis_name: AxisName, perm: Sequence[int]) -> _T:
@@ -510,13 +525,42 @@ def pcast(x: _T, axis_name: AxisName, *, to: str) -> _T:
         return x
     if to not in _PCAST_TO:
         raise ValueError(f"{opname}: `to`={to!r} must be one of {_PCAST_TO} (JAX's values)")
-    axis_names(opname, axis_name, current_mesh(opname, axis_name))
+    names = axis_names(opname, axis_name, current_mesh(opname, axis_name))
+    if typed_mode():
+        return _pcast_typed(opname, x, frozenset(names), to)
     if to == "unreduced":
         raise ValueError(
             f"{opname}: `to`='unreduced' casts a varying value over {axis_name!r}; funcoll types every value "
             f"invarying (JAX with check_vma=False), and JAX refuses a pcast from invarying to unreduced"
         )
     return _leaves(opname, x, lambda v: v.view_as(v))
+
+
+def _no_reduced(opname: str, to: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{opname}: `to`={to!r}: funcoll's typed mode (check_vma=True) has varying and invariant values, "
+        f"not JAX's reduced and unreduced ones; use to='varying'"
+    )
+
+
+def _pcast_typed(opname: str, x: _T, axes: frozenset[str], to: str) -> _T:
+    """pcast in ``shard_map(check_vma=True)``: invariant to varying over `axes`, the backward a psum there."""
+    if to != "varying":
+        raise _no_reduced(opname, to)
+
+    def cast(v: Tensor) -> Tensor:
+        have = vma_of(v)
+        if axes & have:
+            raise ValueError(
+                f"{opname}: `x` varies over {sorted(axes & have)} already (funcoll.typeof(x).vma={set(sorted(have))});"
+                f" pcast(to='varying') casts a value that is invariant over `axis_name` (JAX: Unsupported pcast "
+                f"from=varying, to='varying')"
+            )
+        p = plain(v)
+        p = pvary_to(p, axes, opname) if p.requires_grad and torch.is_grad_enabled() else p.view_as(p)
+        return typed(p, have | axes)
+
+    return _leaves(opname, x, cast)
 
 
 def pvary(x: _T, axis_name: AxisName) -> _T:
@@ -642,6 +686,21 @@ def ragged_all_to_all(
         # rank 0: [1., 3., 0., 0.]   rank 1: [2., 2., 4., 0.]
     """
     opname = "funcoll.lax.ragged_all_to_all"
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if typed_mode():  # the rows of every rank land here: varying over the axes, and over the inputs' axes
+        axes = frozenset(axis_names(opname, axis_name, current_mesh(opname, axis_name)))
+        have = frozenset().union(*(vma_of(a) for a in args))
+        untyped = [plain(a) if isinstance(a, Typed) else a for a in args]
+        for i in (0, 1):
+            t = untyped[i]
+            missing = axes - vma_of(args[i])
+            if isinstance(t, Tensor) and missing and t.requires_grad and torch.is_grad_enabled():
+                untyped[i] = pvary_to(t, missing, opname)
+        TYPED.append(False)
+        try:
+            return typed(ragged_all_to_all(*untyped, axis_name=axis_name), have | axes)
+        finally:
+            TYPED.pop()
     for arg, v in (("operand", operand), ("output", output)):
         if not isinstance(v, Tensor):
             raise TypeError(f"{opname}: `{arg}` must be a torch.Tensor, got {type(v).__name__}")

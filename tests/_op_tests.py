@@ -41,6 +41,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "set_checks": ("tests/test_checks.py",),
     "checks_enabled": ("tests/test_checks.py",),
     "shard_map": ("tests/test_lax.py", "tests/test_lax_jax.py"),
+    "typeof": ("tests/test_lax.py",),
     "wait": ("tests/test_overlap.py",),
 }
 
@@ -53,6 +54,7 @@ COMPILED_IN: dict[str, str | None] = {
     "set_checks": "compile_tests/test_checked_ops.py",
     "checks_enabled": None,
     "shard_map": "compile_tests/test_lax_compile.py",
+    "typeof": "compile_tests/test_lax_compile.py",
     "wait": "compile_tests/test_overlap_order.py",
 }
 CASE_PREFIX = {"axis_size": "axis_index"}  # compiled by the cases of another op

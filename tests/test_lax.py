@@ -22,6 +22,7 @@ itself and compares.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -439,7 +440,7 @@ def map_cases() -> list[MapCase]:
         a, b = x[:, :3], x[:, 3:]
         return torch.cat([b + a, a + b], 1)
 
-    return [
+    cases = [
         # a replicated output of a sum over "tp": psum's backward meets the divided cotangent
         MapCase("psum-tp-to-replicated", _psum_tp, psum_tp_ref, ((3, 4),), (P(None, "tp"),), P()),
         # an input replicated over "tp" (P("dp")): psum of an invariant value is axis_size * x, as in JAX
@@ -493,6 +494,25 @@ def map_cases() -> list[MapCase]:
             (P("dp"), P()),
         ),
     ]
+    # Each again in JAX's typed mode: the same global values and gradients, by other transposes.
+    typed = [
+        dataclasses.replace(c, id=f"{c.id}-check_vma", kw={**c.kw, "check_vma": True})
+        for c in cases
+        # all_gather-dp_tp: a varying all_gather under P(), which the typed mode refuses (JAX's too)
+        if not {"check_vma", "check_rep"} & c.kw.keys() and c.id != "all_gather-dp_tp"
+    ]
+    typed.append(
+        MapCase(
+            "all_gather-invarying-dp_tp-check_vma",
+            lambda x: lax.all_gather(x, ("dp", "tp"), tiled=True, to="invarying") * 3.0,
+            lambda x: 3 * x,
+            ((8, 2),),
+            (P(("dp", "tp")),),
+            P(),
+            kw={"check_vma": True},
+        )
+    )
+    return cases + typed
 
 
 def _placement(code: str) -> Any:
@@ -587,8 +607,22 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             torch.ones(2, 3)
         ),
         "spec-not-a-P": lambda: funcoll.shard_map(lambda v: v, meshes["i"], ("i",), P()),
-        "check_vma-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_vma=True),
-        "check_rep-true": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_rep=True),
+        "check_vma-not-a-bool": lambda: funcoll.shard_map(lambda v: v, meshes["i"], P(), P(), check_vma=1),
+        "check_vma-varying-under-P": lambda: funcoll.shard_map(
+            lambda v: v * 2, meshes["i"], P("i"), P(), check_vma=True
+        )(torch.ones(2 * world)),
+        "check_rep-varying-under-P": lambda: funcoll.shard_map(
+            lambda v: {"y": [v]}, meshes["i"], P("i"), {"y": [P()]}, check_rep=True
+        )(torch.ones(2 * world)),
+        "check_vma-pcast-varying": lambda: funcoll.shard_map(
+            lambda v: lax.pcast(v, "i", to="varying"), meshes["i"], P("i"), P("i"), check_vma=True
+        )(torch.ones(2 * world)),
+        "check_vma-pcast-reduced": lambda: funcoll.shard_map(
+            lambda v: lax.pcast(v, "i", to="reduced"), meshes["i"], P(), P(), check_vma=True
+        )(torch.ones(2)),
+        "check_vma-all_gather-reduced": lambda: funcoll.shard_map(
+            lambda v: lax.all_gather(v, "i", to="reduced"), meshes["i"], P("i"), P("i"), check_vma=True
+        )(torch.ones(2 * world)),
         "check_vma-and-check_rep": lambda: funcoll.shard_map(
             lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
         ),
@@ -655,8 +689,13 @@ EXPECTED_ERRORS = {
     "spec-unknown-axis": "ValueError: funcoll.shard_map: `in_specs`=P('tp'): 'tp' is not an axis of the mesh ('i',)",
     "spec-not-divisible": "ValueError: funcoll.shard_map: `in_specs` entry P(None, 'i') shards dim 1",
     "spec-not-a-P": "TypeError: funcoll.shard_map: `in_specs` must hold funcoll.P specs",
-    "check_vma-true": "NotImplementedError: funcoll.shard_map: `check_vma`=True is not supported",
-    "check_rep-true": "NotImplementedError: funcoll.shard_map: `check_rep`=True is not supported",
+    "check_vma-not-a-bool": "TypeError: funcoll.shard_map: `check_vma` must be a bool, got 1",
+    "check_vma-varying-under-P": "ValueError: funcoll.shard_map: output 0 has `out_specs`=P(), which says it is "
+    "replicated over 'i', but its value varies over 'i' (funcoll.typeof(y).vma={'i'}); reduce it over 'i' first",
+    "check_rep-varying-under-P": "ValueError: funcoll.shard_map: output ['y'][0] has `out_specs`=P(), which says",
+    "check_vma-pcast-varying": "ValueError: funcoll.lax.pcast: `x` varies over ['i'] already",
+    "check_vma-pcast-reduced": "NotImplementedError: funcoll.lax.pcast: `to`='reduced': funcoll's typed mode",
+    "check_vma-all_gather-reduced": "NotImplementedError: funcoll.lax.all_gather: `to`='reduced': funcoll's typed",
     "check_vma-and-check_rep": "TypeError: funcoll.shard_map: pass `check_vma` or its older name `check_rep`",
     "axis_names-not-a-set": "TypeError: funcoll.shard_map: `axis_names` must be a set of mesh axis names",
     "axis_names-unknown": "ValueError: funcoll.shard_map: `axis_names`={'tp'} names 'tp', which is not an axis",
@@ -749,6 +788,11 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 res[key] = settled(fn())
             except Exception:  # noqa: BLE001
                 res[key] = {"error": traceback.format_exc(limit=-8)}
+    if world == 2:  # docs/jax.md's typed-mode example (it makes its own 1-D mesh)
+        try:
+            res["docs-typed-step"] = settled(_typed_snippet().step(rank, world))
+        except Exception:  # noqa: BLE001
+            res["docs-typed-step"] = {"error": traceback.format_exc(limit=-8)}
     if world == 2:  # JAX's docstring example, exactly
         a = {0: ([1, 2, 2], [0, 1], [1, 2], [0, 0], [1, 1]), 1: ([3, 4, 0], [0, 1], [1, 1], [1, 2], [2, 1])}[
             rank
@@ -776,6 +820,11 @@ SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "jax_shard
 def _snippet() -> ModuleType:
     """docs/jax.md's shard_map example."""
     return load_file(SNIPPET, "funcoll_docs_jax_shard_map")
+
+
+def _typed_snippet() -> ModuleType:
+    """docs/jax.md's typed-mode example."""
+    return load_file(SNIPPET.with_name("jax_typed_step.py"), "funcoll_docs_jax_typed_step")
 
 
 def _ok(res: dict[str, Any], rank: int, key: str) -> dict[str, Any]:
@@ -939,3 +988,23 @@ def test_docs_shard_map_snippet_matches_single_process() -> None:
         torch.testing.assert_close(got["y"], want.detach())
         for g, w in zip(got["grads"], grads, strict=True):
             torch.testing.assert_close(g, w)
+
+
+def test_docs_typed_step_matches_single_process() -> None:
+    """docs/snippets/jax_typed_step.py on 2 ranks: with check_vma=True each rank's new weights are one
+    process's SGD step on the whole batch (the mean loss's gradient); with check_vma=False each rank's are
+    the step on its own rows, as JAX's are in that mode, though the spec says they are replicated."""
+    w, x = _typed_snippet().global_inputs()
+    rows = x.chunk(2)
+
+    def sgd(batch: Tensor, scale: float) -> Tensor:
+        v = w.clone().requires_grad_()
+        ((batch @ v) ** 2).sum().mul(scale).backward()
+        return w - 0.1 * v.grad
+
+    for r, got in enumerate(batch(2)):
+        got = _ok(got, r, "docs-typed-step")
+        torch.testing.assert_close(got["check_vma=True"], sgd(x, 0.5), msg=lambda m, r=r: f"rank {r}: {m}")
+        torch.testing.assert_close(
+            got["check_vma=False"], sgd(rows[r], 1.0), msg=lambda m, r=r: f"rank {r}: {m}"
+        )

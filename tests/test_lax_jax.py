@@ -70,7 +70,7 @@ pytest.importorskip("jax")  # and numpy, which jax requires
 
 import numpy as np
 import torch
-from _inputs import once_per_world
+from _inputs import load_file, once_per_world
 
 import funcoll
 import funcoll.lax as flax
@@ -390,9 +390,13 @@ class MapCase:
     shapes: tuple[tuple[int, ...], ...]
     in_specs: tuple[tuple[Any, ...], ...]  # the entries of each P
     out_spec: tuple[Any, ...]
+    typed: bool = True  # also run with check_vma=True, as id + TYPED (in both)
 
     def arrays(self) -> list[np.ndarray]:
         return [seeded(s, "float64", self.id, k) for k, s in enumerate(self.shapes)]
+
+
+TYPED = "@vma"  # the suffix of a program's id run with check_vma=True
 
 
 def _mlp(tp: Any) -> Callable[..., Any]:
@@ -430,8 +434,47 @@ def map_cases() -> list[MapCase]:
         MapCase("seq_parallel-abc-c_b", "abc", _seq_parallel(("c", "b")), ((8, 3), (3, 3)),
                 ((("b", "c"), None), ()), (("b", "c"), None)),
         MapCase("psum-to-replicated-dp_tp", "dp_tp", _psum_to_replicated, ((3, 4),), ((None, "tp"),), ()),
-        MapCase("gather-invarying-dp_tp", "dp_tp", _gather_invariant, ((4, 3), (3, 3)), (("tp", None), ()), ()),
+        # pcast(to="reduced") has no typed form in funcoll (no reduced values): untyped only
+        MapCase("gather-invarying-dp_tp", "dp_tp", _gather_invariant, ((4, 3), (3, 3)), (("tp", None), ()), (),
+                typed=False),
+        *typing_cases(),
     ]  # fmt: skip
+
+
+def _one(op: str, **kw: Any) -> Callable[..., Any]:
+    def fn(lax: Any, ns: Any, x: Any) -> Any:
+        return getattr(lax, op)(x, "tp", **kw)
+
+    return fn
+
+
+def _cast_mul(lax: Any, ns: Any, x: Any, w: Any) -> Any:
+    """An invariant weight cast to vary over "dp" by hand, then one JAX casts itself (x @ w)."""
+    return (x * lax.pcast(w[0], "dp", to="varying")) @ w
+
+
+def typing_cases() -> list[MapCase]:
+    """Each collective on a value invariant over "tp" (spec P()) and on one varying over it (P("tp")),
+    in both modes: the typed transposes (psum's moves nothing, a cast's psums) against the untyped."""
+    ring = [(0, 1), (1, 0)]
+    ops: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = [
+        ("psum", _one("psum"), ()),
+        ("pmean", _one("pmean"), ()),
+        ("all_gather", _one("all_gather", tiled=True), ("tp", None)),
+        ("all_gather-invarying", _one("all_gather", tiled=True, to="invarying"), ()),
+        ("psum_scatter", _one("psum_scatter", tiled=True), ("tp", None)),
+        ("ppermute", _one("ppermute", perm=ring), ("tp", None)),
+        ("all_to_all", _one("all_to_all", split_axis=1, concat_axis=0, tiled=True), ("tp", None)),
+    ]
+    out = []
+    for name, fn, spec in ops:
+        for kind, in_spec in (("invariant", ()), ("varying", ("tp", None))):
+            if name == "all_gather-invarying" and kind == "invariant":
+                continue  # JAX requires a varying input there
+            out.append(MapCase(f"typing-{name}-{kind}-dp_tp", "dp_tp", fn, ((4, 4),), (in_spec,), spec))
+    out.append(MapCase("typing-pcast-mul-dp_tp", "dp_tp", _cast_mul, ((4, 3), (3, 3)), (("dp", None), ()),
+                       ("dp", None)))  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -451,6 +494,31 @@ ERR_CASES = [
     ErrCase("pcast-to-invarying", lambda lax, x: lax.pcast(x, ("dp", "tp"), to="invarying")),
     ErrCase("pcast-axis-set", lambda lax, x: lax.pcast(x, {"tp"}, to="varying")),
 ]
+
+
+# A shard_map(check_vma=True) that JAX refuses while tracing; funcoll refuses it with the same class.
+TYPED_ERR_CASES = [
+    MapCase("typed-varying-out-under-P-dp_tp", "dp_tp", lambda lax, ns, x: x * 2, ((4, 2),), (("tp", None),), ()),
+    MapCase("typed-all_gather-out-under-P-dp_tp", "dp_tp", lambda lax, ns, x: lax.all_gather(x, "tp"),
+            ((4, 2),), (("tp", None),), ()),
+    MapCase("typed-psum-over-one-axis-out-under-P-dp_tp", "dp_tp", lambda lax, ns, x: lax.psum(x, "dp"),
+            ((4, 2),), ((("dp", "tp"), None),), ()),
+    MapCase("typed-pcast-varying-twice-dp_tp", "dp_tp", lambda lax, ns, x: lax.pcast(x, "tp", to="varying"),
+            ((4, 2),), (("tp", None),), ("tp", None)),
+]  # fmt: skip
+
+
+# docs/jax.md's migration example: a JAX SGD step whose gradient is right only with check_vma=True.
+STEP = "typed-sgd-step"
+STEP_WORLD = 4
+
+
+def _step_snippet() -> Any:
+    return load_file(ROOT / "docs" / "snippets" / "jax_typed_step.py", "funcoll_docs_jax_typed_step")
+
+
+def _step_inputs() -> list[np.ndarray]:
+    return [t.numpy() for t in _step_snippet().global_inputs()]
 
 
 # ------------------------------------------------------------------------------ JAX's side
@@ -475,7 +543,7 @@ def run_jax(path: str) -> None:
         for name, (shape, names) in MESHES.items()
     }
 
-    def per_rank(c: Case) -> Callable[..., Any]:
+    def per_rank(c: Case, check_vma: bool = False) -> Callable[..., Any]:
         """`c` as a function of the stacked inputs (rank r's in row r) to the stacked outputs."""
         if c.jnp_ref is not None:  # the operand and output; the offsets and sizes are static numpy
             sizes = stacked(c)[2:]
@@ -486,7 +554,7 @@ def run_jax(path: str) -> None:
             return c.fn(lax, jnp, *(b[0] for b in blocks))[None]
 
         return jax.shard_map(local, mesh=meshes[c.mesh], in_specs=(rows,) * len(c.arrays(0)), out_specs=rows,
-                             check_vma=False)  # fmt: skip
+                             check_vma=check_vma)  # fmt: skip
 
     def stacked(c: Case) -> list[np.ndarray]:
         return [np.stack(t) for t in zip(*(c.arrays(r) for r in range(WORLD[c.mesh])), strict=True)]
@@ -497,17 +565,37 @@ def run_jax(path: str) -> None:
         args = stacked(c)[:2] if c.jnp_ref is not None else stacked(c)
         diff = [k for k, a in enumerate(args) if a.dtype == np.float64] if c.grad else []
         programs[c.id] = (per_rank(c), args, diff, c.grad if diff else None)
+        if c.jnp_ref is None:
+            programs[c.id + TYPED] = (per_rank(c, True), args, diff, c.grad if diff else None)
+    map_ids = set()
     for mc in map_cases():
-        f = jax.shard_map(
-            lambda *a, mc=mc: mc.fn(lax, jnp, *a),
-            mesh=meshes[mc.mesh],
-            in_specs=tuple(P(*s) for s in mc.in_specs),
-            out_specs=P(*mc.out_spec),
-            check_vma=False,
-        )
-        args = mc.arrays()
-        programs[mc.id] = (f, args, list(range(len(args))), "grad")
-    map_ids = {mc.id for mc in map_cases()}
+        for vma in (False, True) if mc.typed else (False,):
+            f = jax.shard_map(
+                lambda *a, mc=mc: mc.fn(lax, jnp, *a),
+                mesh=meshes[mc.mesh],
+                in_specs=tuple(P(*s) for s in mc.in_specs),
+                out_specs=P(*mc.out_spec),
+                check_vma=vma,
+            )
+            args = mc.arrays()
+            key = mc.id + (TYPED if vma else "")
+            programs[key] = (f, args, list(range(len(args))), "grad")
+            map_ids.add(key)
+    for key in [k for k in programs if k.endswith(TYPED)]:  # what the typed mode refuses while tracing
+        f, args, _, _ = programs[key]
+        try:
+            jax.eval_shape(f, *args)
+        except Exception as err:  # noqa: BLE001 -- the class is what the test compares
+            out[key] = {"raised": type(err).__name__, "message": str(err).splitlines()[0][:200]}
+            del programs[key]
+    for e in TYPED_ERR_CASES:
+        g = jax.shard_map(lambda *a, e=e: e.fn(lax, jnp, *a), mesh=meshes[e.mesh],
+                          in_specs=tuple(P(*s) for s in e.in_specs), out_specs=P(*e.out_spec), check_vma=True)  # fmt: skip
+        try:
+            jax.eval_shape(g, *e.arrays())
+            out[e.id] = {"raised": None}
+        except Exception as err:  # noqa: BLE001 -- the class is what the test compares
+            out[e.id] = {"raised": type(err).__name__, "message": str(err).splitlines()[0][:200]}
 
     def weights(key: str) -> np.ndarray:
         f, args, _, _ = programs[key]
@@ -542,8 +630,10 @@ def run_jax(path: str) -> None:
         return res
 
     for mesh_name in MESHES:
-        keys = [k for k, c in ((c.id, c) for c in cases()) if c.mesh == mesh_name]
-        keys += [mc.id for mc in map_cases() if mc.mesh == mesh_name]
+        keys = [k for c in cases() if c.mesh == mesh_name for k in (c.id, c.id + TYPED) if k in programs]
+        keys += [
+            k for mc in map_cases() if mc.mesh == mesh_name for k in (mc.id, mc.id + TYPED) if k in programs
+        ]
         xs = {k: programs[k][1] for k in keys}
         ws = {k: weights(k) for k in keys if programs[k][3] is not None}
         res = jax.jit(run, static_argnums=2)(xs, ws, tuple(keys))
@@ -575,6 +665,17 @@ def run_jax(path: str) -> None:
             out[e.id] = {"raised": None}
         except Exception as err:  # noqa: BLE001 -- the class is what the test compares
             out[e.id] = {"raised": type(err).__name__, "message": str(err).splitlines()[0][:200]}
+
+    def sgd_step(w: Any, x: Any) -> Any:  # the JAX step the snippet ports; every rank's copy of the new w
+        loss = lambda w: lax.pmean(jnp.sum((x @ w) ** 2), "dp")  # noqa: E731 -- as the docs write it
+        return (w - 0.1 * jax.grad(loss)(w))[None]
+
+    step_mesh = Mesh(np.array(jax.devices()[:STEP_WORLD]), ("dp",))
+    out[STEP] = {
+        vma: np.asarray(jax.jit(jax.shard_map(sgd_step, mesh=step_mesh, in_specs=(P(), P("dp")),
+                                              out_specs=P("dp"), check_vma=vma))(*_step_inputs()))
+        for vma in (True, False)
+    }  # fmt: skip
     with open(path, "wb") as fh:
         pickle.dump(out, fh)
 
@@ -618,16 +719,48 @@ def _run_case(c: Case, fn: Callable[..., Any], rank: int) -> dict[str, Any]:
     }
 
 
-def _run_map_case(mc: MapCase, m: Any) -> dict[str, Any]:
+def _run_map_case(mc: MapCase, m: Any, check_vma: bool = False) -> dict[str, Any]:
     def local(*a: Any) -> Any:
         return mc.fn(flax, torch, *a)
 
     specs = tuple(funcoll.P(*s) for s in mc.in_specs)
-    f = funcoll.shard_map(local, m, specs, funcoll.P(*mc.out_spec))
+    f = funcoll.shard_map(local, m, specs, funcoll.P(*mc.out_spec), check_vma=check_vma)
     xs = [torch.from_numpy(a).requires_grad_() for a in mc.arrays()]
-    y = f(*xs).full_tensor()
-    (y * torch.from_numpy(weight(mc.id, y.shape, "global"))).sum().backward()
+    try:
+        y = f(*xs).full_tensor()
+    except Exception as err:  # noqa: BLE001 -- compared with JAX's refusal
+        return {"raised": type(err).__name__, "message": str(err), "in_flight": in_flight()}
+    key = mc.id + (TYPED if check_vma else "")
+    (y * torch.from_numpy(weight(key, y.shape, "global"))).sum().backward()
     return {"y": y.detach().numpy(), "grads": [x.grad.numpy() for x in xs], "in_flight": in_flight()}
+
+
+def _run_typed_case(c: Case, m: Any, world: int) -> dict[str, Any]:
+    """A per-rank case in shard_map(check_vma=True), as JAX's side runs it: rank r's inputs are row r of
+    the global ones, each varying over every axis; every rank returns every rank's rows and gradients."""
+    names = MESHES[c.mesh][1]
+    rows = funcoll.P(names)
+    xs = [torch.from_numpy(np.stack(t)) for t in zip(*(c.arrays(r) for r in range(world)), strict=True)]
+    diff = [x for x in xs if x.dtype == torch.float64] if c.grad else []
+    for x in diff:
+        x.requires_grad_()
+
+    def local(*blocks: Any) -> Any:
+        return c.fn(flax, torch, *(b[0] for b in blocks))[None]
+
+    f = funcoll.shard_map(local, m, (rows,) * len(xs), rows, check_vma=True)
+    try:
+        y = f(*xs).full_tensor()
+    except Exception as err:  # noqa: BLE001 -- compared with JAX's refusal
+        return {"raised": type(err).__name__, "message": str(err), "in_flight": in_flight()}
+    if diff:
+        w = np.stack([weight(c.id + TYPED, y.shape[1:], r) for r in range(world)])
+        (y * torch.from_numpy(w)).sum().backward()
+    return {
+        "y": y.detach().numpy(),
+        "grads": [x.grad.numpy() for x in diff] if diff else None,
+        "in_flight": in_flight(),
+    }
 
 
 def _run_err_case(e: ErrCase, m: Any) -> dict[str, Any]:
@@ -637,6 +770,20 @@ def _run_err_case(e: ErrCase, m: Any) -> dict[str, Any]:
         return {"raised": None, "in_flight": in_flight()}
     except Exception as err:  # noqa: BLE001 -- compared with JAX's
         return {"raised": type(err).__name__, "message": str(err), "in_flight": in_flight()}
+
+
+def _run_step() -> dict[bool, np.ndarray]:
+    """The snippet's sgd_step in both modes: every rank's copy of the new w, stacked."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sgd_step = _step_snippet().sgd_step
+    m = init_device_mesh("cpu", (STEP_WORLD,), mesh_dim_names=("dp",))
+    w, x = (torch.from_numpy(a) for a in _step_inputs())
+    return {
+        vma: funcoll.shard_map(lambda w, x: sgd_step(w, x)[None], m, (funcoll.P(), funcoll.P("dp")),
+                               funcoll.P("dp"), check_vma=vma)(w, x).full_tensor().detach().numpy()
+        for vma in (True, False)
+    }  # fmt: skip
 
 
 def body(rank: int, world: int) -> dict[str, Any]:
@@ -654,8 +801,16 @@ def body(rank: int, world: int) -> dict[str, Any]:
         if c.compiled:
             compiled = torch.compile(_bound(meshes[c.mesh], c), fullgraph=True, backend="aot_eager")
             jobs.append((c.id + "-compiled", lambda c=c, f=compiled: _run_case(c, f, rank)))
+    for c in (c for c in cases() if c.mesh in meshes and c.jnp_ref is None):
+        jobs.append((c.id + TYPED, lambda c=c: _run_typed_case(c, meshes[c.mesh], world)))
     for mc in (mc for mc in map_cases() if mc.mesh in meshes):
         jobs.append((mc.id, lambda mc=mc: _run_map_case(mc, meshes[mc.mesh])))
+        if mc.typed:
+            jobs.append((mc.id + TYPED, lambda mc=mc: _run_map_case(mc, meshes[mc.mesh], True)))
+    for e in (e for e in TYPED_ERR_CASES if e.mesh in meshes):
+        jobs.append((e.id, lambda e=e: _run_map_case(e, meshes[e.mesh], True)))
+    if world == STEP_WORLD:
+        jobs.append((STEP, _run_step))
     if "dp_tp" in meshes:
         for e in ERR_CASES:
             jobs.append((e.id, lambda e=e: _run_err_case(e, meshes["dp_tp"])))
@@ -735,18 +890,83 @@ def test_lax_compiled_matches_jax(case: Case, oracle: dict[str, Any]) -> None:
     _check(case, case.id + "-compiled", oracle[case.id])
 
 
-@pytest.mark.parametrize("case", map_cases(), ids=lambda c: c.id)
-def test_shard_map_matches_jax(case: MapCase, oracle: dict[str, Any]) -> None:
+def _same_refusal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert got.get("raised") == want["raised"], (
+        f"{what}: funcoll {got.get('raised')}: {got.get('message')}; JAX {want}"
+    )
+    assert got["message"].startswith("funcoll."), got["message"]
+    assert got["in_flight"] == 0
+
+
+MAP_RUNS = [(mc, vma) for mc in map_cases() for vma in ((False, True) if mc.typed else (False,))]
+
+
+@pytest.mark.parametrize(
+    "case, check_vma", MAP_RUNS, ids=lambda v: v.id if isinstance(v, MapCase) else f"vma{v}"
+)
+def test_shard_map_matches_jax(case: MapCase, check_vma: bool, oracle: dict[str, Any]) -> None:
     """The global outputs and the gradients of the global inputs (plain tensors, whole on every rank)."""
-    want, key = oracle[case.id], case.id
+    key = case.id + (TYPED if check_vma else "")
+    want = oracle[key]
     results = batch(WORLD[case.mesh])
     for r in range(WORLD[case.mesh]):
         got = results[r][key]
         assert "error" not in got, f"rank {r}, {key}:\n{got['error']}"
+        if "raised" in want:
+            _same_refusal(got, want, f"rank {r}, {key}")
+            continue
+        assert "raised" not in got, f"rank {r}, {key}: funcoll raised {got}, JAX ran it"
         assert got["in_flight"] == 0
         _same(got["y"], want["y"], f"rank {r}, {key}, output")
         for k, (g, w) in enumerate(zip(got["grads"], want["grads"], strict=True)):
             _same(g, w, f"rank {r}, {key}, gradient {k}")
+
+
+@pytest.mark.parametrize("case", [c for c in ALL if c.jnp_ref is None], ids=lambda c: c.id)
+def test_lax_typed_matches_jax(case: Case, oracle: dict[str, Any]) -> None:
+    """Every per-rank case again in shard_map(check_vma=True), in both: each rank's rows and gradients."""
+    key = case.id + TYPED
+    want = oracle[key]
+    results = batch(WORLD[case.mesh])
+    for r in range(WORLD[case.mesh]):
+        got = results[r][key]
+        assert "error" not in got, f"rank {r}, {key}:\n{got['error']}"
+        if "raised" in want:
+            _same_refusal(got, want, f"rank {r}, {key}")
+            continue
+        assert "raised" not in got, f"rank {r}, {key}: funcoll raised {got}, JAX ran it"
+        assert got["in_flight"] == 0
+        for i, y in enumerate(want["y"]):
+            _same(got["y"][i], y, f"rank {r}, {key}, rank {i}'s output")
+        if case.grad is not None:
+            for k, g in enumerate(want["grads"]):
+                for i, gi in enumerate(g):
+                    _same(
+                        got["grads"][k][i],
+                        gi,
+                        f"rank {r}, {key}, rank {i}'s gradient {k} ({want['grad_by']})",
+                    )
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "untyped"])
+def test_docs_typed_step_matches_jax(check_vma: bool, oracle: dict[str, Any]) -> None:
+    """docs/jax.md's SGD step, ported from JAX: with check_vma=True every rank holds the same new weights,
+    JAX's; with check_vma=False each rank's differ (its own gradient), as JAX's do in that mode."""
+    want = oracle[STEP][check_vma]
+    assert (np.ptp(want, axis=0) == 0).all() == check_vma, "JAX's copies agree exactly when typed"
+    for r, got in enumerate(batch(STEP_WORLD)):
+        assert "error" not in got[STEP], f"rank {r}:\n{got[STEP]['error']}"
+        _same(got[STEP][check_vma], want, f"rank {r}, check_vma={check_vma}")
+
+
+@pytest.mark.parametrize("case", TYPED_ERR_CASES, ids=lambda e: e.id)
+def test_typed_refusals_match_jax(case: MapCase, oracle: dict[str, Any]) -> None:
+    """What JAX's typed mode refuses while tracing (an output varying over an axis its spec replicates it
+    over, a cast of a varying value to varying), funcoll's refuses: the same class, on every rank."""
+    want = oracle[case.id]
+    assert want["raised"] is not None, f"{case.id}: JAX ran it; the case is stale"
+    for r, got in enumerate(batch(WORLD[case.mesh])):
+        _same_refusal(got[case.id], want, f"rank {r}")
 
 
 @pytest.mark.parametrize("case", ERR_CASES, ids=lambda e: e.id)
@@ -763,9 +983,8 @@ def test_refusals_match_jax(case: ErrCase, oracle: dict[str, Any]) -> None:
 
 def test_oracle_is_jax_and_cpu_has_no_ragged_all_to_all(oracle: dict[str, Any], report: Any) -> None:
     """The version the suite compared with, and the reason ragged_all_to_all's cases use jnp."""
-    report(
-        f"test_lax_jax: {len(ALL) + len(map_cases()) + len(ERR_CASES)} programs compared with jax {oracle['jax']}"
-    )
+    n = len(ALL) + sum(c.jnp_ref is None for c in ALL) + len(MAP_RUNS) + len(ERR_CASES) + len(TYPED_ERR_CASES)
+    report(f"test_lax_jax: {n} programs compared with jax {oracle['jax']} (check_vma False and True)")
     ragged = [c.id for c in ALL if c.jnp_ref is not None]
     for key in ragged:
         assert "op" in oracle[key] or "not supported by XLA:CPU" in oracle[key]["op_error"], oracle[key]

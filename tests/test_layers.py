@@ -137,7 +137,9 @@ ENTRY_STEPS_ELSEWHERE = {
     ("funcoll.moe._dispatch", "resolve_group"): 2,  # dispatch once (the handle keeps the group), combine once
     ("funcoll.moe._dropless", "resolve_group"): 1,  # Dropless: a bad group refused at construction
     ("funcoll.compat", "resolve_group"): 2,  # the seeds' default world; all_gather_into_tensor's out buffer
-    ("funcoll.lax", "resolve_group"): 2,  # shard_map's mesh axes; all_gather(to="invarying"), no public op
+    # shard_map's mesh axes; all_gather(to="invarying") and the typed mode's psum: no public op each
+    ("funcoll.lax", "resolve_group"): 3,
+    ("funcoll._vma", "resolve_group"): 1,  # the group of the axes a typed cast adds (its backward's psum)
     ("funcoll.testing", "resolve_group"): 1,  # print_ranks: a report's group, in any form the ops take
     ("funcoll._base._compile", "check_tensor"): 1,  # mark_ragged: no group, no collective
 }

@@ -251,6 +251,50 @@ def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tens
     return _AllReduce.apply(x, reduce_op, group_name, world)
 
 
+class _PsumInvariant(Primitive):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
+        ctx.reduce_op, ctx.world = reduce_op, world
+        return _all_reduce_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        g = differentiable("all_reduce", ctx.reduce_op, grad)
+        return scale_for_op(ctx.reduce_op, g, ctx.world), None, None, None
+
+
+def psum_invariant_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
+    """:func:`all_reduce_p` whose result every rank holds alike (JAX's psum with ``check_vma=True``).
+
+    Its transpose is JAX's ``pvary``, which moves nothing: the gradient of an
+    invariant result is the same on every rank already, so the backward has no
+    collective (``all_reduce_p``'s sums the gradient again).
+    """
+    return _PsumInvariant.apply(x, reduce_op, group_name, world)
+
+
+class _Pvary(Primitive):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
+        _faults.remember(ctx)
+        ctx.group_name, ctx.world = group_name, world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return all_reduce_p(grad.contiguous(), "sum", ctx.group_name, ctx.world), None, None
+
+
+def pvary_p(x: Tensor, group_name: str, world: int) -> Tensor:
+    """`x` as a value that varies over the group (JAX's ``pvary``): a view; the backward psums the gradient.
+
+    The transpose of JAX's cast from invariant to varying: the ranks' gradients of
+    the varying value differ, and the invariant one's is their sum.
+    """
+    return _Pvary.apply(x, group_name, world)
+
+
 # ----------------------------------------------------------------------- all_to_all_p
 def all_to_all_impl(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
     """all_to_all_single of `x`'s dim-0 rows, waited for.

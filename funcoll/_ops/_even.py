@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -441,12 +441,26 @@ def all_reduce(x: Tensor, *, group: GroupLike = None, op: str = "sum") -> Tensor
         all_reduce(x)                 # both: [4., 6.]
         all_reduce(x, op="max")       # both: [3., 4.]
     """
-    g = cast(Group, group)
+    return _all_reduce(x, cast(Group, group), op, _prims.all_reduce_p)
+
+
+def _all_reduce(x: Tensor, g: Group, op: str, prim: Callable[[Tensor, str, str, int], Tensor]) -> Tensor:
     reduce_op = check_reduce_op("funcoll.all_reduce", op, x)
     x = check_agreement("all_reduce", x, g, args=(REDUCE_OPS.index(reduce_op), 0))
     if g.is_single:
         return fresh(x)
-    return unwire(_prims.all_reduce_p(wire(x), wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
+    return unwire(prim(wire(x), wire_op(reduce_op, x.dtype), g.name, g.size), x.dtype)
+
+
+@public_op("all_reduce")
+def all_reduce_invariant(x: Tensor, group: Group, op: str) -> Tensor:
+    """:func:`all_reduce` whose backward has no collective: ``funcoll.lax.psum`` in the typed mode.
+
+    ``shard_map(check_vma=True)`` types the result invariant, so its gradient is the
+    same on every rank already and JAX's transpose (``pvary``) moves nothing, where
+    :func:`all_reduce`'s backward sums it again. `group` is resolved by the caller.
+    """
+    return _all_reduce(x, group, op, _prims.psum_invariant_p)
 
 
 def split_sizes(total: int, world: int) -> list[int]:

@@ -142,6 +142,7 @@ for _name, _family, _collectives in (
     ("set_checks", CHECKS, None),
     ("checks_enabled", CHECKS, None),
     ("shard_map", JAX, None),  # issues what `f` issues
+    ("typeof", JAX, None),  # a value's type in shard_map(check_vma=True), read while tracing
     ("wait", OVERLAP, None),
 ):
     register(OpSpec(_name, _family, collectives=_collectives))

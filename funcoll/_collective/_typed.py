@@ -1,0 +1,161 @@
+"""The values of JAX's typed mode: tensors that know which mesh axes they vary over.
+
+Inside ``funcoll.shard_map(..., check_vma=True)`` every tensor `f` sees or makes is
+a :class:`Typed`: a ``torch.Tensor`` subclass (``__torch_function__`` only, no
+``__torch_dispatch__``) whose ``vma`` is the frozenset of manual mesh axes it varies
+over, JAX's ``jax.typeof(x).vma``. Every torch function applied to typed values
+returns values typed with the union of its inputs' axes, after casting each input
+that varies over fewer of them to the union first, as JAX's automatic ``pcast`` does
+(:data:`CAST`, set by ``funcoll._vma``: the identity forward, a psum over the axes
+added in the backward, only where a gradient flows). ``funcoll.lax``'s collectives
+take the plain tensors out (:func:`plain`), run, and type their results by JAX's rule
+for each.
+
+The subclass lives in the trace only: ``torch.compile`` inlines
+``__torch_function__`` and its graph holds the plain ops, and ``shard_map`` hands
+plain tensors in and out of `f`, so no typed tensor crosses a graph boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from ._phase import Primitive
+
+__all__ = ["CAST", "Typed", "plain", "typed", "vma_of"]
+
+# While True, a Typed tensor's torch functions run as a plain tensor's (how `plain` unwraps).
+_PLAIN: list[bool] = [False]
+# funcoll._vma's cast of one tensor to vary over more axes: CAST[0](t, axes) -> plain tensor.
+CAST: list[Callable[[Tensor, frozenset[str]], Tensor]] = []
+
+
+# Tensor's operators that torch defines in Python (a wrapper that turns a TypeError into
+# NotImplemented), which dynamo cannot trace for a __torch_function__ subclass: each as the torch
+# function it calls, so that the typed mode compiles `x ** 2`, `1 - x`, `1 / x`.
+_OPERATORS: tuple[tuple[Any, Callable[..., Tensor]], ...] = (  # pairs: dynamo matches by identity, not hash
+    (Tensor.__pow__, lambda a, b: torch.pow(a, b)),
+    (Tensor.__rpow__, lambda a, b: torch.pow(b, a)),
+    (Tensor.__rsub__, lambda a, b: torch.rsub(a, b)),
+    (Tensor.__rdiv__, lambda a, b: torch.reciprocal(a) * b),
+    (Tensor.__rtruediv__, lambda a, b: torch.reciprocal(a) * b),
+    (Tensor.__rmod__, lambda a, b: torch.remainder(b, a)),
+    (Tensor.__floordiv__, lambda a, b: torch.floor_divide(a, b)),
+    (Tensor.__rfloordiv__, lambda a, b: torch.floor_divide(b, a)),
+    (Tensor.__rlshift__, lambda a, b: torch.bitwise_left_shift(b, a)),
+    (Tensor.__rrshift__, lambda a, b: torch.bitwise_right_shift(b, a)),
+    (Tensor.__rmatmul__, lambda a, b: torch.matmul(b, a)),
+)
+_OPERATOR_NAMES = frozenset(f.__name__ for f, _ in _OPERATORS)
+
+
+class Typed(Tensor):
+    """A tensor of ``shard_map(check_vma=True)``: ``vma``, the mesh axes its value varies over."""
+
+    vma: frozenset[str]
+
+    @staticmethod
+    def __new__(cls, t: Tensor, vma: frozenset[str]) -> Typed:
+        out = t.as_subclass(cls)
+        out.vma = vma
+        return out  # type: ignore[return-value]
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _PLAIN[0]:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if getattr(func, "__name__", None) in _OPERATOR_NAMES:
+            for op, impl in _OPERATORS:
+                if func is op:
+                    func = impl
+        vma: frozenset[str] = frozenset()
+        for a in (*args, *kwargs.values()):
+            vma = vma | _vma_in(a)
+        with torch._C.DisableTorchFunctionSubclass():
+            if vma:
+                args = tuple(_cast(a, vma) for a in args)
+                kwargs = {k: _cast(v, vma) for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+        return _typed_out(out, vma)
+
+
+def _vma_in(a: Any) -> frozenset[str]:
+    if isinstance(a, Typed):
+        return a.vma
+    if isinstance(a, (list, tuple)):
+        vma: frozenset[str] = frozenset()
+        for b in a:
+            if isinstance(b, Typed):
+                vma = vma | b.vma
+        return vma
+    return frozenset()
+
+
+def _cast(a: Any, vma: frozenset[str]) -> Any:
+    """`a` made to vary over `vma` where its gradient needs the psum of JAX's automatic pcast."""
+    if isinstance(a, Tensor):
+        have = a.vma if isinstance(a, Typed) else frozenset()
+        if have != vma and a.requires_grad and torch.is_grad_enabled():
+            return CAST[0](a, vma - have)
+        return a
+    if isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) for b in a):
+        return type(a)(_cast(b, vma) for b in a)
+    return a
+
+
+def _typed_out(out: Any, vma: frozenset[str]) -> Any:
+    if isinstance(out, Tensor):
+        return typed(out, vma)
+    if isinstance(out, torch.Size) or not isinstance(out, (tuple, list)):
+        return out
+    if type(out) in (tuple, list):
+        return type(out)(_typed_out(o, vma) for o in out)
+    return type(out)([_typed_out(o, vma) for o in out])  # torch.return_types: max, sort, topk, ...
+
+
+def typed(t: Tensor, vma: frozenset[str]) -> Typed:
+    """`t` (plain or typed) as a typed tensor varying over `vma`: the same data and autograd history."""
+    if isinstance(t, Typed):
+        t = plain(t)
+    elif isinstance(t, AsyncCollectiveTensor):
+        # An eager collective's pending result cannot be re-classed: its values are waited for
+        # here, where the typed mode types them (compiled graphs have no pending results).
+        t = _Arrived.apply(t)
+    return Typed(t, vma)
+
+
+class _Arrived(Primitive):
+    """A pending result's values, waited for, as a plain tensor on the same autograd path (no copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: AsyncCollectiveTensor) -> Tensor:
+        return t.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def plain(t: Tensor) -> Tensor:
+    """`t` as a plain ``torch.Tensor`` (a view: the same data and autograd history); `t` if plain."""
+    if not isinstance(t, Typed):
+        return t
+    _PLAIN[0] = True
+    try:
+        return t.view_as(t)
+    finally:
+        _PLAIN[0] = False
+
+
+def vma_of(t: object) -> frozenset[str]:
+    """The mesh axes `t` varies over: a typed tensor's ``vma``; none for anything else."""
+    return t.vma if isinstance(t, Typed) else frozenset()
