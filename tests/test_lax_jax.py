@@ -397,6 +397,8 @@ class MapCase:
 
 
 TYPED = "@vma"  # the suffix of a program's id run with check_vma=True
+# typed programs whose funcoll side runs compiled too (fullgraph; a few seconds each on 4 ranks)
+COMPILED_TYPED = ("typing-psum-invariant-dp_tp", "typing-pcast-mul-dp_tp")
 
 
 def _mlp(tp: Any) -> Callable[..., Any]:
@@ -719,12 +721,14 @@ def _run_case(c: Case, fn: Callable[..., Any], rank: int) -> dict[str, Any]:
     }
 
 
-def _run_map_case(mc: MapCase, m: Any, check_vma: bool = False) -> dict[str, Any]:
+def _run_map_case(mc: MapCase, m: Any, check_vma: bool = False, compiled: bool = False) -> dict[str, Any]:
     def local(*a: Any) -> Any:
         return mc.fn(flax, torch, *a)
 
     specs = tuple(funcoll.P(*s) for s in mc.in_specs)
     f = funcoll.shard_map(local, m, specs, funcoll.P(*mc.out_spec), check_vma=check_vma)
+    if compiled:
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
     xs = [torch.from_numpy(a).requires_grad_() for a in mc.arrays()]
     try:
         y = f(*xs).full_tensor()
@@ -807,6 +811,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
         jobs.append((mc.id, lambda mc=mc: _run_map_case(mc, meshes[mc.mesh])))
         if mc.typed:
             jobs.append((mc.id + TYPED, lambda mc=mc: _run_map_case(mc, meshes[mc.mesh], True)))
+        if mc.id in COMPILED_TYPED:
+            jobs.append(
+                (mc.id + TYPED + "-compiled", lambda mc=mc: _run_map_case(mc, meshes[mc.mesh], True, True))
+            )
     for e in (e for e in TYPED_ERR_CASES if e.mesh in meshes):
         jobs.append((e.id, lambda e=e: _run_map_case(e, meshes[e.mesh], True)))
     if world == STEP_WORLD:
@@ -917,6 +925,19 @@ def test_shard_map_matches_jax(case: MapCase, check_vma: bool, oracle: dict[str,
             continue
         assert "raised" not in got, f"rank {r}, {key}: funcoll raised {got}, JAX ran it"
         assert got["in_flight"] == 0
+        _same(got["y"], want["y"], f"rank {r}, {key}, output")
+        for k, (g, w) in enumerate(zip(got["grads"], want["grads"], strict=True)):
+            _same(g, w, f"rank {r}, {key}, gradient {k}")
+
+
+@pytest.mark.parametrize("name", COMPILED_TYPED)
+def test_compiled_typed_shard_map_matches_jax(name: str, oracle: dict[str, Any]) -> None:
+    """A typed program compiled with fullgraph=True: JAX's values and gradients, as eager."""
+    want, key = oracle[name + TYPED], name + TYPED + "-compiled"
+    case = next(mc for mc in map_cases() if mc.id == name)
+    for r, got in enumerate(batch(WORLD[case.mesh])):
+        got = got[key]
+        assert "error" not in got and "raised" not in got, f"rank {r}, {key}: {got}"
         _same(got["y"], want["y"], f"rank {r}, {key}, output")
         for k, (g, w) in enumerate(zip(got["grads"], want["grads"], strict=True)):
             _same(g, w, f"rank {r}, {key}, gradient {k}")
