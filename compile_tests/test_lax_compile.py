@@ -49,6 +49,7 @@ from funcoll.testing import graph_collectives, run_ranks, settled
 WORLD = 4
 TIMEOUT_S = 240.0
 TYPED = "-check_vma"  # a port's key when it runs in shard_map(check_vma=True)
+TYPED_EAGER_ONLY = ("ring_attention", True)
 F64 = torch.float64
 B, S, D, H = 4, 8, 6, 8  # batch, sequence, model dim, hidden dim
 
@@ -77,7 +78,6 @@ def _ops(rank: int) -> dict[str, tuple[Callable[[Tensor], Any], tuple[int, ...]]
             lambda x: lax.all_gather(x, ("tp", "dp"), axis=1, to="invarying"),
             (2, 3),
         ),
-        "pcast-tp": (lambda x: lax.pcast(x, "tp", to="varying") * 2, (3,)),
         "psum_scatter-dp": (lambda x: lax.psum_scatter(x, "dp"), (2, 3)),
         "psum_scatter-dp_tp-tiled": (
             lambda x: lax.psum_scatter(x, dt, scatter_dimension=1, tiled=True),
@@ -234,10 +234,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
                 _keeping_backend()
             )  # the forward and backward graphs, to count their collectives
             runs: dict[str, Any] = {}
-            for kind, f in (
-                ("eager", mapped),
-                ("compiled", torch.compile(mapped, fullgraph=True, backend=backend)),
-            ):
+            kinds: list[tuple[str, Any]] = [("eager", mapped)]
+            if (name, check_vma) != TYPED_EAGER_ONLY:  # suite time: one typed port compiles, one runs eagerly
+                kinds.append(("compiled", torch.compile(mapped, fullgraph=True, backend=backend)))
+            for kind, f in kinds:
                 inputs = [t.clone().requires_grad_() for t in _port_inputs(name)]
                 y = f(*inputs)
                 full = y.full_tensor()
@@ -280,11 +280,16 @@ def body(rank: int, world: int) -> dict[str, Any]:
 
 
 def _typeof_sizes(x: Tensor) -> Tensor:
-    """`x` times 100, 10 and 1 times the number of axes `x`, its psum over "tp" and its all_gather over
-    "dp" vary over: 2, 1 and 2 (``funcoll.typeof``), so 212 * x."""
+    """:func:`_elementwise` of `x` times 100, 10 and 1 times the number of axes `x`, its psum over "tp" and
+    its all_gather over "dp" vary over: 2, 1 and 2 (``funcoll.typeof``), so 212 times it. The operators
+    torch defines in Python (``**``, ``1 - x``, ``1 / x``) go through the typed tensor's own mapping."""
     s, g = lax.psum(x, "tp"), lax.all_gather(x, "dp", tiled=True)
     k = 100 * len(funcoll.typeof(x).vma) + 10 * len(funcoll.typeof(s).vma) + len(funcoll.typeof(g).vma)
-    return x * k
+    return _elementwise(x) * k
+
+
+def _elementwise(x: Tensor) -> Tensor:
+    return (1 - x) ** 2 + 1 / (x * x + 1) + 2**x + x // 0.5
 
 
 def _keeping_backend() -> tuple[Callable[..., Any], list[torch.fx.GraphModule]]:
@@ -372,16 +377,17 @@ def test_port_compiled_equals_eager_and_single_process(name: str, check_vma: boo
     expected_placements = ["S(0)", "R"] if out_specs == P("dp", None) else ["S(0)", "S(1)"]
     for r, res in enumerate(results()):
         got = _ok(res, r, name + (TYPED if check_vma else ""))
-        for kind in ("eager", "compiled"):
+        for kind in ("eager", "compiled")[: 1 if (name, check_vma) == TYPED_EAGER_ONLY else 2]:
             where = f"rank {r} {kind}"
             assert got[kind]["placements"] == expected_placements, where
             torch.testing.assert_close(got[kind]["y"], want.detach(), msg=lambda m, at=where: f"{at}: {m}")
             for i, (g, w) in enumerate(zip(got[kind]["grads"], grads, strict=True)):
                 torch.testing.assert_close(g, w, msg=lambda m, at=f"{where}, input {i}": f"{at}: {m}")
-        torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"])
+        if "compiled" in got:
+            torch.testing.assert_close(got["compiled"]["y"], got["eager"]["y"])
 
 
-@pytest.mark.parametrize("name", list(PORTS))
+@pytest.mark.parametrize("name", [n for n in PORTS if (n, True) != TYPED_EAGER_ONLY])
 def test_typed_port_compiles_to_no_more_collectives(name: str) -> None:
     """The typed mode's transposes in the compiled graphs: psum's moves nothing, so the typed graphs hold
     the same forward collectives and no more backward ones than the untyped graphs (fewer where a psum's
@@ -395,7 +401,7 @@ def test_typed_port_compiles_to_no_more_collectives(name: str) -> None:
 
 def test_typeof_compiles_to_its_eager_types() -> None:
     """``funcoll.typeof(...).vma`` in a compiled ``shard_map(check_vma=True)``: the axes JAX's rules give."""
-    want = 212 * _rand(4, 4, key="typeof")
+    want = 212 * _elementwise(_rand(4, 4, key="typeof"))
     for r, res in enumerate(results()):
         got = _ok(res, r, "typeof")
         for kind in ("eager", "compiled"):

@@ -398,7 +398,7 @@ class MapCase:
 
 TYPED = "@vma"  # the suffix of a program's id run with check_vma=True
 # typed programs whose funcoll side runs compiled too (fullgraph; a few seconds each on 4 ranks)
-COMPILED_TYPED = ("typing-psum-invariant-dp_tp", "typing-pcast-mul-dp_tp")
+COMPILED_TYPED = ("typing-psum-invariant-dp_tp",)
 
 
 def _mlp(tp: Any) -> Callable[..., Any]:
