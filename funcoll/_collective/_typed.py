@@ -37,21 +37,22 @@ CAST: list[Callable[[Tensor, frozenset[str]], Tensor]] = []
 
 # Tensor's operators that torch defines in Python (a wrapper that turns a TypeError into
 # NotImplemented), which dynamo cannot trace for a __torch_function__ subclass: each as the torch
-# function it calls, so that the typed mode compiles `x ** 2`, `1 - x`, `1 / x`.
-_OPERATORS: tuple[tuple[Any, Callable[..., Tensor]], ...] = (  # pairs: dynamo matches by identity, not hash
-    (Tensor.__pow__, lambda a, b: torch.pow(a, b)),
-    (Tensor.__rpow__, lambda a, b: torch.pow(b, a)),
-    (Tensor.__rsub__, lambda a, b: torch.rsub(a, b)),
-    (Tensor.__rdiv__, lambda a, b: torch.reciprocal(a) * b),
-    (Tensor.__rtruediv__, lambda a, b: torch.reciprocal(a) * b),
-    (Tensor.__rmod__, lambda a, b: torch.remainder(b, a)),
-    (Tensor.__floordiv__, lambda a, b: torch.floor_divide(a, b)),
-    (Tensor.__rfloordiv__, lambda a, b: torch.floor_divide(b, a)),
-    (Tensor.__rlshift__, lambda a, b: torch.bitwise_left_shift(b, a)),
-    (Tensor.__rrshift__, lambda a, b: torch.bitwise_right_shift(b, a)),
-    (Tensor.__rmatmul__, lambda a, b: torch.matmul(b, a)),
-)
-_OPERATOR_NAMES = frozenset(f.__name__ for f, _ in _OPERATORS)
+# function it calls, by the operator's name (dynamo hands over other function objects for them on
+# some releases, and matches no function-keyed dict), so that the typed mode compiles `x ** 2`,
+# `1 - x`, `1 / x`. Every one takes (self, other); "pow" is also torch.pow's name, which it calls.
+_OPERATORS: dict[str, Callable[..., Tensor]] = {
+    "pow": lambda a, b: torch.pow(a, b),
+    "__rpow__": lambda a, b: torch.pow(b, a),
+    "__rsub__": lambda a, b: torch.rsub(a, b),
+    "__rdiv__": lambda a, b: torch.reciprocal(a) * b,
+    "__rtruediv__": lambda a, b: torch.reciprocal(a) * b,
+    "__rmod__": lambda a, b: torch.remainder(b, a),
+    "__floordiv__": lambda a, b: torch.floor_divide(a, b),
+    "__rfloordiv__": lambda a, b: torch.floor_divide(b, a),
+    "__rlshift__": lambda a, b: torch.bitwise_left_shift(b, a),
+    "__rrshift__": lambda a, b: torch.bitwise_right_shift(b, a),
+    "__rmatmul__": lambda a, b: torch.matmul(b, a),
+}
 
 
 class Typed(Tensor):
@@ -73,10 +74,9 @@ class Typed(Tensor):
         if _PLAIN[0]:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if getattr(func, "__name__", None) in _OPERATOR_NAMES:
-            for op, impl in _OPERATORS:
-                if func is op:
-                    func = impl
+        operator = _OPERATORS.get(getattr(func, "__name__", ""))
+        if operator is not None and len(args) == 2 and not kwargs:
+            func = operator
         vma: frozenset[str] = frozenset()
         for a in (*args, *kwargs.values()):
             vma = vma | _vma_in(a)
