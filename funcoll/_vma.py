@@ -38,7 +38,7 @@ from ._collective import _prims
 from ._collective._typed import CAST, plain, typed, vma_of
 from ._shard_map import TYPED, axis_names, current_mesh, resolve_axes
 
-__all__ = ["TYPED", "ManualType", "pvary_to", "typed_leaf", "typed_mode", "typeof"]
+__all__ = ["TYPED", "ManualType", "cast_missing", "pvary_to", "typed_leaf", "typed_mode", "typeof"]
 
 # Each funcoll.lax collective's type rule: the axes its result varies over, from those its
 # input varies over (after JAX's automatic cast to vary over `axes`) and the axes it runs over.
@@ -114,6 +114,14 @@ def pvary_to(t: Tensor, axes: frozenset[str], opname: str = "funcoll.lax.pcast")
 CAST.append(pvary_to)
 
 
+def cast_missing(t: Tensor, missing: frozenset[str], opname: str) -> Tensor:
+    """Plain `t` cast to vary over `missing` too where a gradient flows through it (JAX's automatic pcast);
+    `t` itself where none does, or nothing is missing: the cast moves nothing forward."""
+    if missing and t.requires_grad and torch.is_grad_enabled():
+        return pvary_to(t, missing, opname)
+    return t
+
+
 def typed_leaf(
     opname: str, axis_name: Any, rule: str, one: Callable[[Tensor], Tensor]
 ) -> Callable[[Tensor], Tensor]:
@@ -131,10 +139,7 @@ def typed_leaf(
 
     def leaf(v: Tensor) -> Tensor:
         have = vma_of(v)
-        p = plain(v)
-        missing = axes - have
-        if missing and p.requires_grad and torch.is_grad_enabled():
-            p = pvary_to(p, missing, opname)
+        p = cast_missing(plain(v), axes - have, opname)
         return typed(one(p), out_rule(have, axes))
 
     return leaf

@@ -49,7 +49,7 @@ from ._base._sym import prod
 from ._collective._typed import Typed, plain, typed, vma_of
 from ._ops import _even
 from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, resolve_axes
-from ._vma import TYPED, pvary_to, typed_leaf, typed_mode
+from ._vma import TYPED, cast_missing, pvary_to, typed_leaf, typed_mode
 
 __all__ = [
     "all_gather",
@@ -692,10 +692,8 @@ def ragged_all_to_all(
         have = frozenset().union(*(vma_of(a) for a in args))
         untyped = [plain(a) if isinstance(a, Typed) else a for a in args]
         for i in (0, 1):
-            t = untyped[i]
-            missing = axes - vma_of(args[i])
-            if isinstance(t, Tensor) and missing and t.requires_grad and torch.is_grad_enabled():
-                untyped[i] = pvary_to(t, missing, opname)
+            if isinstance(untyped[i], Tensor):
+                untyped[i] = cast_missing(untyped[i], axes - vma_of(args[i]), opname)
         TYPED.append(False)
         try:
             return typed(ragged_all_to_all(*untyped, axis_name=axis_name), have | axes)
