@@ -288,7 +288,10 @@ def body(rank: int, world: int) -> dict[str, Any]:
         y = torch.compile(typed_f, fullgraph=True, backend="aot_eager")(x).full_tensor()
         out["operators"]["compiled"] = settled({"y": y})
     except Exception as e:  # noqa: BLE001
-        out["operators"]["compiled"] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "in_flight": in_flight()}
+        out["operators"]["compiled"] = {
+            "error": f"{type(e).__name__}: {str(e)[:300]}",
+            "in_flight": in_flight(),
+        }
     return out
 
 
