@@ -623,6 +623,23 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
         "check_vma-all_gather-reduced": lambda: funcoll.shard_map(
             lambda v: lax.all_gather(v, "i", to="reduced"), meshes["i"], P("i"), P("i"), check_vma=True
         )(torch.ones(2 * world)),
+        "check_vma-funcoll-all_reduce": lambda: funcoll.shard_map(
+            lambda v: funcoll.all_reduce(v, group=(meshes["i"], "i")),
+            meshes["i"],
+            P("i"),
+            P("i"),
+            check_vma=True,
+        )(torch.ones(2 * world)),
+        "check_vma-funcoll-all_gather-invariant": lambda: funcoll.shard_map(
+            lambda v: funcoll.all_gather(v, 0, group=meshes["i"]), meshes["i"], P(), P("i"), check_vma=True
+        )(torch.ones(2)),
+        "check_vma-funcoll-gather-sizes": lambda: funcoll.shard_map(
+            lambda v, n: funcoll.gather(v, 0, group=meshes["i"], sizes=n),
+            meshes["i"],
+            (P("i"), P()),
+            P(),
+            check_vma=True,
+        )(torch.ones(2 * world), torch.ones(world, dtype=torch.int64)),
         "check_vma-and-check_rep": lambda: funcoll.shard_map(
             lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
         ),
@@ -696,6 +713,14 @@ EXPECTED_ERRORS = {
     "check_vma-pcast-varying": "ValueError: funcoll.lax.pcast: `x` varies over ['i'] already",
     "check_vma-pcast-reduced": "NotImplementedError: funcoll.lax.pcast: `to`='reduced': funcoll's typed mode",
     "check_vma-all_gather-reduced": "NotImplementedError: funcoll.lax.all_gather: `to`='reduced': funcoll's typed",
+    "check_vma-funcoll-all_reduce": "TypeError: funcoll.all_reduce: `x` is a value of funcoll.shard_map(..., "
+    "check_vma=True) (it varies over ['i']), where collectives are funcoll.lax's: they type their results and "
+    "take their gradients by JAX's rules, which funcoll.all_reduce does not know. Use funcoll.lax.psum(x, "
+    "axis_name) (or pmean, pmax, pmin) inside the typed f, or shard_map(..., check_vma=False)",
+    "check_vma-funcoll-all_gather-invariant": "TypeError: funcoll.all_gather: `x` is a value of "
+    "funcoll.shard_map(..., check_vma=True) (it varies over []), where collectives are funcoll.lax's",
+    "check_vma-funcoll-gather-sizes": "TypeError: funcoll.gather: `x` is a value of funcoll.shard_map(..., "
+    "check_vma=True) (it varies over ['i'])",
     "check_vma-and-check_rep": "TypeError: funcoll.shard_map: pass `check_vma` or its older name `check_rep`",
     "axis_names-not-a-set": "TypeError: funcoll.shard_map: `axis_names` must be a set of mesh axis names",
     "axis_names-unknown": "ValueError: funcoll.shard_map: `axis_names`={'tp'} names 'tp', which is not an axis",

@@ -51,6 +51,7 @@ from .._base._group import resolve_group
 from .._base._quant import check_wire, exact_for_dtensor
 from .._collective._faults import public_op
 from .._collective._header import Header, register_header
+from .._collective._typed import Typed
 from ._spec import OpSpec, Plan, register
 
 __all__ = ["Refusal", "entry"]
@@ -121,9 +122,40 @@ class _Arguments:
             if i is None or i < n:
                 return None
         values = {**self.defaults, **kwargs}
-        for name, a in zip(self.names, args):
+        for name, a in zip(self.names, args, strict=False):  # len(args) <= len(self.names): checked above
             values[name] = a
         return values if len(values) == len(self.names) else None  # fewer: a required one is missing
+
+
+# What a typed shard_map's program calls instead of a funcoll op (`_refuse_typed`).
+_LAX_FORM = {
+    "all_gather": "funcoll.lax.all_gather(x, axis_name, axis=dim, tiled=True)",
+    "all_gather_into_tensor": "funcoll.lax.all_gather(x, axis_name, tiled=True)",
+    "all_reduce": "funcoll.lax.psum(x, axis_name) (or pmean, pmax, pmin)",
+    "reduce_scatter": "funcoll.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)",
+    "all_to_all": "funcoll.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)",
+    "all_to_all_v": "funcoll.lax.ragged_all_to_all",
+    "ppermute": "funcoll.lax.ppermute(x, axis_name, perm)",
+}
+
+
+def _refuse_typed(name: str, arg: str, x: Typed) -> None:
+    """A value of ``shard_map(check_vma=True)`` handed to a funcoll op that is not ``funcoll.lax``'s.
+
+    funcoll's ops know nothing of the typed mode: they would neither type their result
+    by JAX's rule nor transpose as the typed mode does (a typed ``all_reduce``'s
+    gradient came out other than ``lax.psum``'s), so their results there would be
+    silently wrong. Every rank runs the same `f`, so every rank raises, before any
+    communication.
+    """
+    instead = _LAX_FORM.get(name, "funcoll.lax's collectives (psum, all_gather, psum_scatter, all_to_all, "
+                                  "ppermute, ragged_all_to_all)")  # fmt: skip
+    raise TypeError(
+        f"funcoll.{name}: `{arg}` is a value of funcoll.shard_map(..., check_vma=True) (it varies over "
+        f"{sorted(x.vma)}), where collectives are funcoll.lax's: they type their results and take "
+        f"their gradients by JAX's rules, which funcoll.{name} does not know. Use {instead} inside "
+        f"the typed f, or shard_map(..., check_vma=False), whose values funcoll's ops take as they are"
+    )
 
 
 def entry(
@@ -178,9 +210,13 @@ def entry(
                 return fn(*args, **kwargs)  # Python's own TypeError for the call itself
             for arg in tensors:
                 check_tensor(opname, arg, values[arg])
+                if isinstance(values[arg], Typed):
+                    _refuse_typed(name, arg, values[arg])
             for arg in optional:
                 if values[arg] is not None:
                     check_tensor(opname, arg, values[arg])
+                    if isinstance(values[arg], Typed):
+                        _refuse_typed(name, arg, values[arg])
             x = values[first] if first is not None else None
             if first is not None and is_dtensor(x):
                 if refuse is not None and (
