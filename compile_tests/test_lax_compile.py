@@ -292,7 +292,32 @@ def body(rank: int, world: int) -> dict[str, Any]:
             "error": f"{type(e).__name__}: {str(e)[:300]}",
             "in_flight": in_flight(),
         }
+    try:  # distinct programs, each compiled on its own, with one compiled frame allowed a code object
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+        x = _rand(4, 4, key="programs")
+        with torch._dynamo.config.patch(recompile_limit=1):
+            ys = [_mapped(p, m, counter)(x).full_tensor() for p in PROGRAMS]
+            again = _mapped(PROGRAMS[0], m, counter)(x).full_tensor()  # rebuilt: its frame is found again
+        out["programs"] = {"compiled": settled({"ys": ys, "again": again, "frames": counter.frame_count})}
+    except Exception:  # noqa: BLE001
+        out["programs"] = {"error": traceback.format_exc(limit=-10)}
     return out
+
+
+# Three programs, three functions (three code objects), each shard_mapped and compiled on its own.
+PROGRAMS: list[Callable[[Tensor], Tensor]] = [
+    lambda v: lax.psum(v, "tp"),
+    lambda v: lax.psum(2 * v, "tp"),
+    lambda v: lax.psum(3 * v, "tp"),
+]
+
+
+def _mapped(program: Callable[[Tensor], Tensor], m: Any, backend: Any) -> Callable[[Tensor], Tensor]:
+    return torch.compile(
+        funcoll.shard_map(program, m, P("dp", "tp"), P("dp")), fullgraph=True, backend=backend
+    )
 
 
 def _typeof_sizes(x: Tensor) -> Tensor:
@@ -432,6 +457,23 @@ def test_python_operators_compile_on_typed_values() -> None:
             continue
         assert "error" not in got["compiled"], f"rank {r}: {got['compiled'].get('error')}"
         torch.testing.assert_close(got["compiled"]["y"], want, msg=lambda m, r=r: f"rank {r} compiled: {m}")
+
+
+def test_each_shard_map_compiles_in_a_frame_of_its_own() -> None:
+    """Three shard_map programs compiled apart, with dynamo allowed one compiled frame per code object:
+    each compiles (with one code object for every shard_map the second raised FailOnRecompileLimitHit,
+    and at dynamo's default limit the ninth did), and one rebuilt around the same function finds its
+    frame again. Values against one process: the psum over "tp" of the column blocks, times 1, 2, 3."""
+    x = _rand(4, 4, key="programs")
+    want = x[:, :2] + x[:, 2:]
+    for r, res in enumerate(results()):
+        got = _ok(res, r, "programs")["compiled"]
+        for k, y in enumerate(got["ys"]):
+            torch.testing.assert_close(
+                y, (k + 1) * want, msg=lambda m, r=r, k=k: f"rank {r}, program {k}: {m}"
+            )
+        torch.testing.assert_close(got["again"], want)
+        assert got["frames"] == len(PROGRAMS), f"rank {r}: {got['frames']} frames compiled"
 
 
 def test_typeof_compiles_to_its_eager_types() -> None:

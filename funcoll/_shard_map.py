@@ -27,6 +27,7 @@ that gives every input the gradient of the one global function (docs/jax.md).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
@@ -504,7 +505,26 @@ def shard_map(
     def mapped(*args: Any) -> Any:
         return _run(opname, f, args, in_specs, out_specs, device_mesh, bound, typed)
 
+    if not torch.compiler.is_compiling():  # inside a compiled region dynamo inlines `mapped`
+        mapped.__code__ = _code_for(f, mapped.__code__)
     return mapped
+
+
+# A code object of `mapped`'s per function mapped: dynamo keeps its compiled frames per code
+# object, with a limit of recompiles on each (torch._dynamo.config.recompile_limit, 8), so with
+# one code object for every shard_map the ninth program compiled with fullgraph=True raised
+# FailOnRecompileLimitHit. Keyed by the mapped function's code, so that a shard_map rebuilt
+# around the same function each step still finds its compiled frame (dynamo guards on the
+# rest, as it does for any function). A program has finitely many code objects: not weak.
+_CODES: dict[object, types.CodeType] = {}
+
+
+def _code_for(f: Callable[..., Any], code: types.CodeType) -> types.CodeType:
+    inner = getattr(f, "func", f)  # a functools.partial: its function's
+    key = getattr(inner, "__code__", None) or type(inner)  # a module or other callable: its class
+    if key not in _CODES:
+        _CODES[key] = code.replace()  # a copy: the same bytecode, a code object of its own
+    return _CODES[key]
 
 
 def _run(
