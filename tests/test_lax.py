@@ -576,6 +576,12 @@ def run_map_case(case: MapCase, mesh: Any) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- errors
+def _set_first(a: Tensor, v: Tensor) -> Tensor:
+    a = a.clone()
+    a[0] = v[0]  # an invariant tensor written with a varying value: it varies
+    return a
+
+
 def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
     """Every bad call, made on every rank before any communication; the message each raised."""
     x = torch.ones(3, 2)
@@ -640,6 +646,18 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
             P(),
             check_vma=True,
         )(torch.ones(2 * world), torch.ones(world, dtype=torch.int64)),
+        "check_vma-add_-under-P": lambda: funcoll.shard_map(
+            lambda a, v: a.clone().add_(v), meshes["i"], (P(), P("i")), P(), check_vma=True
+        )(torch.ones(2), torch.ones(2 * world)),
+        "check_vma-setitem-under-P": lambda: funcoll.shard_map(
+            _set_first, meshes["i"], (P(), P("i")), P(), check_vma=True
+        )(torch.ones(2), torch.ones(2 * world)),
+        "check_vma-write-into-factory": lambda: funcoll.shard_map(
+            lambda v: torch.zeros(2).copy_(v), meshes["i"], P("i"), P("i"), check_vma=True
+        )(torch.ones(2 * world)),
+        "check_vma-write-into-grad": lambda: funcoll.shard_map(
+            lambda a, v: (a * 1).add_(v), meshes["i"], (P(), P("i")), P("i"), check_vma=True
+        )(torch.ones(2, requires_grad=True), torch.ones(2 * world)),
         "check_vma-and-check_rep": lambda: funcoll.shard_map(
             lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
         ),
@@ -713,6 +731,15 @@ EXPECTED_ERRORS = {
     "check_vma-pcast-varying": "ValueError: funcoll.lax.pcast: `x` varies over ['i'] already",
     "check_vma-pcast-reduced": "NotImplementedError: funcoll.lax.pcast: `to`='reduced': funcoll's typed mode",
     "check_vma-all_gather-reduced": "NotImplementedError: funcoll.lax.all_gather: `to`='reduced': funcoll's typed",
+    "check_vma-add_-under-P": "ValueError: funcoll.shard_map: output 0 has `out_specs`=P(), which says it is "
+    "replicated over 'i', but its value varies over 'i'",
+    "check_vma-setitem-under-P": "ValueError: funcoll.shard_map: output 0 has `out_specs`=P(), which says it is "
+    "replicated over 'i', but its value varies over 'i'",
+    "check_vma-write-into-factory": "TypeError: funcoll.shard_map: `copy_` writes a value varying over ['i'] in "
+    "place into a tensor typed as varying over [] inside shard_map(..., check_vma=True), and a tensor made inside "
+    "f by a factory function",
+    "check_vma-write-into-grad": "TypeError: funcoll.shard_map: `add_` writes a value varying over ['i'] in place "
+    "into a tensor typed as varying over [] inside shard_map(..., check_vma=True), and it requires grad",
     "check_vma-funcoll-all_reduce": "TypeError: funcoll.all_reduce: `x` is a value of funcoll.shard_map(..., "
     "check_vma=True) (it varies over ['i']), where collectives are funcoll.lax's: they type their results and "
     "take their gradients by JAX's rules, which funcoll.all_reduce does not know. Use funcoll.lax.psum(x, "

@@ -80,12 +80,81 @@ class Typed(Tensor):
         vma: frozenset[str] = frozenset()
         for a in (*args, *kwargs.values()):
             vma = vma | _vma_in(a)
+        target = _written(func, args, kwargs)
+        if target is not None:
+            _check_write(func, target, vma)
         with torch._C.DisableTorchFunctionSubclass():
             if vma:
-                args = tuple(_cast(a, vma) for a in args)
-                kwargs = {k: _cast(v, vma) for k, v in kwargs.items()}
+                args = tuple(a if a is target else _cast(a, vma) for a in args)
+                kwargs = {k: v if v is target else _cast(v, vma) for k, v in kwargs.items()}
             out = func(*args, **kwargs)
+        if isinstance(target, Typed):  # the tensor written varies over what was written into it
+            target.vma = vma
+            if out is target:
+                return out
         return _typed_out(out, vma)
+
+
+# The functions that write their first argument in place, by name: torch's `name_` methods and
+# functions (`x.add_(y)`, `torch.relu_`, `nn.init.normal_`), `x[i] = y` and Python's in-place
+# operators (`x += y`). A dict lookup by name, as for _OPERATORS: dynamo traces it, where it
+# cannot trace `str.endswith` on some functions' names.
+_IN_PLACE: dict[str, bool] = {
+    name: True
+    for module in (torch.Tensor, torch, torch.nn.functional, torch.nn.init)
+    for name in dir(module)
+    if name.endswith("_") and not name.endswith("__")
+}
+_IN_PLACE.update(
+    (f"__i{op}__", True)
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+               "lshift", "rshift")
+)  # fmt: skip
+_IN_PLACE["__setitem__"] = True
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The tensor `func` writes in place (``x.add_(y)``, ``x[i] = y``, ``x += y``, ``out=``,
+    ``inplace=True``), or None for a function that makes new tensors."""
+    out = kwargs.get("out")
+    if isinstance(out, Tensor):
+        return out
+    in_place = _IN_PLACE.get(getattr(func, "__name__", ""), False) or kwargs.get("inplace") is True
+    return args[0] if in_place and args and isinstance(args[0], Tensor) else None
+
+
+def _check_write(func: Any, target: Tensor, vma: frozenset[str]) -> None:
+    """An in-place write that its target's type can follow, or a TypeError that says what to write.
+
+    The written tensor takes the union of the axes (:class:`Typed` updates its ``vma``). Two
+    writes cannot be followed: into a plain tensor (one made inside `f` by a factory such as
+    ``torch.zeros``, which carries no type) of a value that varies, and into a typed tensor
+    that requires grad of a value that varies over more axes than it does, which JAX's
+    automatic cast (a psum of the gradient where it widens the type) would have to apply
+    to the tensor being overwritten. Either would leave a stale type and a value that
+    varies where the type says it does not: an output that says replicated and is not.
+    """
+    have = target.vma if isinstance(target, Typed) else frozenset()
+    more = vma - have
+    if not more:
+        return
+    name = getattr(func, "__name__", repr(func))
+    if not isinstance(target, Typed):
+        if torch.compiler.is_compiling():
+            # Dynamo on torch 2.11-2.14 hands `x[i] = y`'s target over as a plain tensor even when
+            # it is typed: it cannot be told from a factory's, so the write is not checked there.
+            return
+        why = "a tensor made inside f by a factory function (torch.zeros, torch.empty, ...) carries no type"
+    elif target.requires_grad and torch.is_grad_enabled():
+        why = "it requires grad, and widening its type casts it (a psum of its gradient), which has no in-place form"
+    else:
+        return
+    raise TypeError(
+        f"funcoll.shard_map: `{name}` writes a value varying over {sorted(more)} in place into a tensor "
+        f"typed as varying over {sorted(have)} inside shard_map(..., check_vma=True), and {why}; write it "
+        f"out of place (`x = x + y`, `x = torch.where(...)`), or make the tensor from a typed value "
+        f"(torch.zeros_like(y))"
+    )
 
 
 def _vma_in(a: Any) -> frozenset[str]:
