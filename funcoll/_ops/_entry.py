@@ -201,6 +201,8 @@ def entry(
             if arg not in arguments.names:
                 raise TypeError(f"{opname}: the entry names `{arg}`, which is not a parameter")
         first = tensors[0] if tensors else None
+        # The tensor arguments in the order they are checked, each with whether None is allowed.
+        checked = (*((arg, False) for arg in tensors), *((arg, True) for arg in optional))
         formats = ("wire", "grad_wire") if {"wire", "grad_wire"} <= set(arguments.names) else ()
 
         @functools.wraps(fn)
@@ -208,15 +210,13 @@ def entry(
             values = arguments.bind(args, kwargs)
             if values is None:
                 return fn(*args, **kwargs)  # Python's own TypeError for the call itself
-            for arg in tensors:
-                check_tensor(opname, arg, values[arg])
-                if isinstance(values[arg], Typed):
-                    _refuse_typed(name, arg, values[arg])
-            for arg in optional:
-                if values[arg] is not None:
-                    check_tensor(opname, arg, values[arg])
-                    if isinstance(values[arg], Typed):
-                        _refuse_typed(name, arg, values[arg])
+            for arg, may_be_none in checked:
+                value = values[arg]
+                if may_be_none and value is None:
+                    continue
+                check_tensor(opname, arg, value)
+                if isinstance(value, Typed):
+                    _refuse_typed(name, arg, value)
             x = values[first] if first is not None else None
             if first is not None and is_dtensor(x):
                 if refuse is not None and (
