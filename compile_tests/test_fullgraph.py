@@ -17,7 +17,9 @@ The cases of :func:`_every_way` also go through the inductor backend (CPU here) 
 others' symbolic shapes run on aot_eager): its results must match too, and the code inductor
 generates (``run_and_get_code``) must call each collective the graph tests expect
 (``_ops.EXPECTED_AT_2``), forward and backward, each followed by its
-``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps.
+``wait_tensor``; ``FileCheck`` checks the order of the ragged gather's steps; and
+the collectives each rank's code issues must pair with its peers' (test_rank_shapes
+reads them the same way from the cases it compiles on inductor, and leaves these here).
 The release matrix's smoke run (``_ops.SMOKE``) compiles every case on aot_eager
 and one case per argument set (``at_scale``) on inductor. The ``at_scale`` cases
 also compile on the "eager" backend (dynamo alone), whose gradients are the traced
@@ -56,6 +58,8 @@ from _ops import (
 )
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
+
+from funcoll.testing import code_collectives, collective_mismatch
 
 # world -> (the `dynamic` settings compiled, whether explain runs). One world, for the
 # suite's time: an odd world size compiles in the ragged gathers at 3 ranks on inductor
@@ -353,6 +357,22 @@ def test_inductor_code_calls_each_collective_and_waits(case: OpCase, dynamic: bo
             waits = counts.pop(WAIT, 0)
             assert counts == want, f"rank {rank} {kind}: collectives {counts}, expected {want}"
             assert waits == sum(counts.values()), f"rank {rank} {kind}: {waits} waits for {counts}"
+
+
+@pytest.mark.parametrize(("case", "dynamic"), _inductor_params())
+def test_inductor_ranks_issue_the_same_collectives(case: OpCase, dynamic: bool | None) -> None:
+    """Each rank's generated code issues collectives that pair with its peers', forward and backward.
+
+    Read from the code inductor wrote (:func:`funcoll.testing.code_collectives`): the
+    same op, group and shape at every position, all_to_all splits that pair up.
+    test_rank_shapes checks the same on the cases it compiles; these it leaves to
+    this batch (suite time: one inductor compile each).
+    """
+    per_rank = [[code_collectives(code) for code in modules] for modules in _inductor_code(case, dynamic)]
+    assert len({len(m) for m in per_rank}) == 1, f"generated modules per rank: {[len(m) for m in per_rank]}"
+    for phase, name in enumerate(("forward", "backward")[: len(per_rank[0])]):
+        mismatch = collective_mismatch([m[phase] for m in per_rank])
+        assert mismatch is None, f"{name}: {mismatch}"
 
 
 F = "torch.ops._c10d_functional."

@@ -22,7 +22,9 @@ compute), which move collectives and waits per graph.
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 0 rows at every world size, ``_ops.ragged_sizes``; at 3 ranks on aot_eager, and at
 2 under inductor's overlap passes, the cases whose ranks hold different shapes; not
-the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgraph),
+the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgraph;
+on inductor at 2 ranks, not the cases of ``FULLGRAPH_INDUCTOR``, whose generated code
+test_fullgraph compares across ranks),
 run for two steps of which only the last rank's shape changes
 (``_ops.last_rank_shifted``; on aot_eager every case, on inductor the
 ``INDUCTOR_CASES``, suite time): that rank alone compiles again on the second, with
@@ -66,6 +68,7 @@ from _ops import (
     run_case,
     start_batch,
 )
+from test_fullgraph import _inductor_cases as fullgraph_inductor_cases  # compile_tests/, beside this file
 
 import funcoll
 from funcoll.testing import Collective, collective_mismatch, compiling, run_ranks
@@ -98,6 +101,10 @@ ELSEWHERE = (
     "reduce_scatter-x2wx5-dim0-wire-bf16",
     "all_reduce-x3x5",
 )
+# The cases test_fullgraph compiles on inductor at 2 ranks, one step each, and whose generated
+# code's collectives it compares across ranks (test_inductor_ranks_issue_the_same_collectives):
+# compiled here on inductor only where they take two steps (INDUCTOR_CASES; suite time).
+FULLGRAPH_INDUCTOR = frozenset(c.id for c in fullgraph_inductor_cases()) - set(INDUCTOR_CASES)
 # Dropless mode compiles as one of these (moe.Dropless runs the static graph, then exact on an overflow).
 MOE_MODES = ("exact", "static")
 # The MoE and pair steps: each compiler at one world at least (suite time). aot_eager at
@@ -250,12 +257,13 @@ def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
     # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
-    # op at 2 ranks (one of them with 0 rows); at 3 the ops whose backward builds its send
-    # buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's
+    # op at 2 ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR); at 3
+    # the ops whose backward builds its send buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's
     # overlap passes: these at 2 ranks (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
     keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ) if cid not in ELSEWHERE]
-    keys += [f"inductor|{cid}" for cid in (ops if world == 2 else INDUCTOR_CASES) if cid not in ELSEWHERE]
+    inductor = [cid for cid in ops if cid not in FULLGRAPH_INDUCTOR] if world == 2 else INDUCTOR_CASES
+    keys += [f"inductor|{cid}" for cid in inductor if cid not in ELSEWHERE]
     keys += [f"inductor-overlap|{cid}" for cid in ops if world == 2 and _overlap_case(cid, differ)]
     keys += [f"{comp}|moe-{mode}" for comp in STEP_COMPILERS[world] for mode in MOE_MODES]
     keys += [f"{comp}|pair" for comp in STEP_COMPILERS[world]]
