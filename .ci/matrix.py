@@ -49,7 +49,7 @@ UNCAPPED = ("2.15.0",)
 # What each release's venv gets beside torch (funcoll's own requirements come with `-e .`),
 # and what it gets without dependencies: torchtitan's model code, as .ci/run installs it
 # for the pinned release (tests/test_torchtitan.py skips before torch 2.12).
-EXTRAS = ("pytest", "hypothesis", "tyro")
+EXTRAS = ("pytest", "pytest-xdist", "hypothesis", "tyro")
 # And numpy, which triton's interpreter needs (tests/test_kernels.py runs the kernels under
 # TRITON_INTERPRET=1): "numpy", or the release's own requirement here. triton 3.6's (torch
 # 2.11's) interpreter turns a kernel's scalar arguments into ints by int() of a one-element
@@ -80,6 +80,9 @@ SMOKE = (
     "tests/test_torchtitan.py",
     "tests/test_kernels.py",
 )
+# Two files at a time, each whole in one worker (its batches launch their ranks once), as
+# the README's test command runs the pinned release: a file's eager ranks leave a core idle.
+XDIST = ("-n", "2", "--dist", "loadfile")
 # Column -> (files, a pattern on the test's name that puts it there, or None for any).
 # The first column that takes a test has it; "inductor" comes first so that the
 # inductor tests of every file count there.
@@ -251,7 +254,7 @@ def run(release: str, junit_dir: Path) -> dict[str, object]:
     start = time.perf_counter()
     with log.open("w") as f:  # the report as it goes: `tail -f` it to follow a release
         tests = subprocess.run(
-            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SMOKE],
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *XDIST, f"--junitxml={junit}", *SMOKE],
             cwd=ROOT, env=tests_env, stdout=f, stderr=subprocess.STDOUT,
         )  # fmt: skip
     row["tests_seconds"] = round(time.perf_counter() - start)

@@ -1,5 +1,6 @@
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,19 @@ def report(pytestconfig: pytest.Config) -> Callable[[str], None]:
     What a run measured rather than asserted: how many property examples ran, the
     soak's collectives, graphs and RSS growth."""
     return pytestconfig.stash.setdefault(_REPORT, []).append
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # In a pytest-xdist worker: its lines travel to the controller, which prints the section.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["funcoll_report"] = session.config.stash.get(_REPORT, [])
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: defined only when it is installed
+def pytest_testnodedown(node: Any, error: object) -> None:
+    lines = getattr(node, "workeroutput", {}).get("funcoll_report", [])
+    node.config.stash.setdefault(_REPORT, []).extend(lines)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
