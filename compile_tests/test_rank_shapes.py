@@ -258,8 +258,9 @@ def _keys(world: int) -> list[str]:
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
     # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
     # op at 2 ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR); at 3
-    # the ops whose backward builds its send buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's
-    # overlap passes: these at 2 ranks (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
+    # the ops whose backward builds its send buffers, where a third rank adds a nonzero
+    # length. Neither: ELSEWHERE. Inductor's overlap passes: these at 2 ranks
+    # (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
     keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ) if cid not in ELSEWHERE]
     inductor = [cid for cid in ops if cid not in FULLGRAPH_INDUCTOR] if world == 2 else INDUCTOR_CASES
