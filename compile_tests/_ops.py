@@ -91,6 +91,7 @@ __all__ = [
     "forbidden_calls",
     "has_error",
     "in_flight",
+    "last_rank_shape_changes",
     "last_rank_shifted",
     "loss_weights",
     "moe_step",
@@ -145,6 +146,13 @@ def last_rank_shifted() -> Iterator[None]:
         yield
     finally:
         _LAST_RANK_SHIFTED = False
+
+
+def last_rank_shape_changes(case: OpCase, world: int) -> bool:
+    """Whether the last rank's inputs to `case` have another shape inside :func:`last_rank_shifted`."""
+    with last_rank_shifted():
+        first = [t.shape for t in case.inputs(world - 1, world)]
+    return first != [t.shape for t in case.inputs(world - 1, world)]
 
 
 def send_sizes(rank: int, world: int) -> list[int]:
@@ -1094,8 +1102,9 @@ def recording_backend(
 
     The min-cut partitioner matters: it may move backward nodes that do not depend
     on the gradient into the forward, collectives included. With `run` the
-    compiled graphs then run as aot_eager's would; without, calling them raises
-    ``_Traced`` (:func:`trace_graphs`: traced, never run).
+    compiled graphs then run as aot_eager's would (its settings); without, calling
+    them raises ``_Traced`` (:func:`trace_graphs`: traced, never run). A function
+    compiled again (another shape) records its latest graphs over the earlier ones.
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -1112,11 +1121,21 @@ def recording_backend(
         raise _Traced
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.setdefault("fw", summarize_graph(gm.graph))  # an inference graph: no partition
-        collectives[:] = collectives or [graph_collectives(gm)]
         return gm.forward if run else stop
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+    def inference(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:  # no gradient: not partitioned
+        graphs.clear()
+        graphs["fw"] = summarize_graph(gm.graph)
+        collectives[:] = [graph_collectives(gm)]
+        return compiler(gm, example_inputs)
+
+    return aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        inference_compiler=inference,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
 
 
 def trace_graphs(case: OpCase, rank: int, world: int, backward: bool = True) -> dict[str, Any]:

@@ -3,14 +3,34 @@
 For each case of ``_ops.CASES`` on 2 real gloo ranks, every rank runs the op eagerly
 and under ``torch.compile(fullgraph=True, backend="aot_eager")`` with ``dynamic``
 None (and True for the cases of :func:`_every_way`), then the backward of a seeded
-loss. The compiled
-outputs and input gradients must equal the eager ones and the single-process
-reference. ``dynamic=False`` is not run: on a first call it traces what ``None``
-traces (static sizes, ``mark_dynamic``/``mark_unbacked`` honoured by both), and
-every case is called once. ``torch._dynamo.explain`` (which compiles without
-fullgraph, the case where a ``.tolist()`` can break the graph) must report no graph
-break for every op that reads exchanged sizes on the host; for the others a
-fullgraph compile is already the proof.
+loss. The compiled outputs and input gradients must equal the eager ones and the
+single-process reference. ``dynamic=False`` is not run: on a first call it traces
+what ``None`` traces (static sizes, ``mark_dynamic``/``mark_unbacked`` honoured by
+both). ``torch._dynamo.explain`` (which compiles without fullgraph, the case where
+a ``.tolist()`` can break the graph) must report no graph break for every op that
+reads exchanged sizes on the host; for the others a fullgraph compile is already
+the proof.
+
+With ``dynamic=None`` each case runs two steps, of which only the last rank's shape
+changes (:func:`_recorded_steps`): on the second that rank alone compiles again, a
+shape it sees for the first time, while its peers run what they compiled first. What
+each rank compiled (AOT autograd's partitioned forward and backward graphs, as the
+min-cut partitioner of aot_eager and inductor splits them) is recorded, and:
+
+- the ranks' collectives pair up, forward and backward apart
+  (:func:`funcoll.testing.collective_mismatch`: the same op and group at every
+  position, the same shape, all_to_all splits that pair up): a rank whose graph
+  holds other collectives, or the same in another order, deadlocks or corrupts data;
+- the forward holds the op's ``_c10d_functional`` collectives and the backward their
+  adjoints (all_gather <-> reduce_scatter_tensor, all_to_all_single <->
+  all_to_all_single, broadcast -> all_reduce, the ragged gather ->
+  all_to_all_single), as its spec declares them, each followed by a
+  ``wait_tensor``, and no graph holds an in-place or ``out=`` collective or a
+  ``torch.distributed`` call;
+- an op that exchanges sizes holds funcoll's host-sync custom op (the one step that
+  reads the size table) in its forward, and no other op holds one.
+
+test_rank_shapes runs the same two steps at 3 ranks and on inductor.
 
 The cases of :func:`_every_way` also go through the inductor backend (CPU here) on
 2 ranks, with ``dynamic=None``, and ``True`` too for the ops that exchange sizes (the
@@ -50,16 +70,22 @@ from _ops import (
     STOPPED,
     WAIT,
     OpCase,
+    collective_counts,
+    forbidden_calls,
     has_error,
+    last_rank_shape_changes,
+    last_rank_shifted,
+    recording_backend,
     reference_grads,
     reference_outputs,
     run_batch,
     run_case,
+    summarize_graph,
 )
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
-from funcoll.testing import code_collectives, collective_mismatch
+from funcoll.testing import Collective, code_collectives, collective_mismatch
 
 # world -> (the `dynamic` settings compiled, whether explain runs). One world, for the
 # suite's time: an odd world size compiles in the ragged gathers at 3 ranks on inductor
@@ -131,11 +157,10 @@ def _compile_and_run(
                 )
             except Exception:  # noqa: BLE001 -- a failure to compile is reported by the tests
                 res[("compiled", d)] = {"error": traceback.format_exc(limit=-8)}
+        elif backend == "aot_eager" and d is None:
+            res[("compiled", d)], res["graphs"] = _recorded_steps(case, rank, world)
         else:
-            # Under a default device, as code written for torch.set_default_device("cuda") runs: a
-            # torch function mode, under which dynamo inlines the Python of some Tensor methods
-            # (Tensor.unflatten's super() call it cannot trace). Inductor's batch runs without one.
-            with torch.device("cpu"):
+            with torch.device("cpu"):  # as _recorded_steps runs
                 res[("compiled", d)] = run_case(case, rank, world, compiled)
     if explain and case.exchanges_sizes and not has_error(res):
         torch._dynamo.reset()
@@ -147,6 +172,39 @@ def _compile_and_run(
             res["graph_breaks"] = {"error": traceback.format_exc(limit=-8)}
     torch._dynamo.reset()
     return res
+
+
+def _recorded_steps(case: OpCase, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``case.call`` on aot_eager, ``dynamic=None``, for two steps; its result and what it compiled.
+
+    On the first step the last rank holds another length (``_ops.last_rank_shifted``):
+    on the second it alone compiles again, a shape it sees for the first time (0
+    rows at 2 ranks, which dynamo keeps static), while its peers run what they
+    compiled first, as in a training loop. The result is the second step's. What it
+    compiled is read from the graphs the second step ran (``recording_backend``:
+    summarized calls, ``"fw"`` and ``"bw"``, and each one's collectives) and how
+    many times dynamo compiled.
+
+    Under a default device, as code written for ``torch.set_default_device("cuda")``
+    runs: a torch function mode, under which dynamo inlines the Python of some Tensor
+    methods (Tensor.unflatten's super() call it cannot trace). Inductor's batch runs
+    without one.
+    """
+    calls: dict[str, Any] = {}
+    collectives: list[list[Collective]] = []
+    compiles: list[int] = []
+    aot = recording_backend(calls, collectives=collectives)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiles.append(len(compiles))
+        return aot(gm, example_inputs)
+
+    compiled = torch.compile(case.call, fullgraph=True, backend=backend)
+    with torch.device("cpu"):
+        with last_rank_shifted():
+            first = run_case(case, rank, world, compiled)
+        result = first if "error" in first else run_case(case, rank, world, compiled)
+    return result, {"calls": dict(calls), "collectives": list(collectives), "compiles": len(compiles)}
 
 
 def _cases_for(world: int) -> list[OpCase]:
@@ -251,6 +309,106 @@ def test_aot_eager_fullgraph_matches_eager_and_reference(
     world: int, case: OpCase, dynamic: bool | None
 ) -> None:
     _check_case(_aot_eager_results(world, case), case, world, ("compiled", dynamic))
+
+
+def _aot_eager_graphs(case: OpCase) -> list[dict[str, Any]]:
+    """Every rank's record of what its aot_eager step compiled (:func:`_recorded_steps`)."""
+    per_rank = []
+    for rank, results in enumerate(_aot_eager_results(2, case)):
+        got = _lookup(results, rank, case, ("compiled", None))
+        if "error" in got:
+            pytest.fail(f"rank {rank}: the aot_eager run raised:\n{got['error']}")
+        per_rank.append(_lookup(results, rank, case, "graphs"))
+    return per_rank
+
+
+def _graph_params() -> list:
+    return [pytest.param(case, id=f"w2-{case.id}", marks=_xfail_known(case)) for case in _cases_for(2)]
+
+
+@pytest.mark.parametrize("case", _graph_params())
+def test_aot_eager_ranks_issue_the_same_collectives(case: OpCase) -> None:
+    """The forward graphs' collectives pair up across ranks, and so do the backward graphs'.
+
+    Each phase apart: a backward collective that one rank issues in its forward would
+    pair with whatever collective its peers issue next (another layer's forward), not
+    with their backward's. The same op and group at every position, the same shape
+    where the op needs it, all_to_all splits that pair up
+    (:func:`funcoll.testing.collective_mismatch`); read from the graphs the second
+    step ran, on which the last rank alone compiled again.
+    """
+    per_rank = _aot_eager_graphs(case)
+    phases = [len(g["collectives"]) for g in per_rank]
+    assert phases == [1 if case.grad == "none" else 2] * len(per_rank), f"graphs per rank: {phases}"
+    if last_rank_shape_changes(case, 2):
+        assert per_rank[-1]["compiles"] == 2, f"the last rank compiled {per_rank[-1]['compiles']} times"
+    for phase, name in enumerate(("forward", "backward")[: phases[0]]):
+        mismatch = collective_mismatch([g["collectives"][phase] for g in per_rank])
+        assert mismatch is None, f"{name}: {mismatch}"
+
+
+def test_every_case_has_an_expectation() -> None:
+    assert sorted(EXPECTED_AT_2) == sorted(c.id for c in CASES)
+
+
+@pytest.mark.parametrize("case", _graph_params())
+def test_graphs_hold_the_collectives_and_their_adjoints(case: OpCase) -> None:
+    """The forward holds the op's collectives, the backward their adjoints, each waited on.
+
+    As the op's spec declares them (``_ops.EXPECTED_AT_2``): all_gather <->
+    reduce_scatter_tensor, all_to_all_single <-> all_to_all_single, broadcast ->
+    all_reduce, the ragged gather -> all_to_all_single. No graph may hold an
+    in-place or ``out=`` collective, nor a ``torch.distributed`` call.
+    """
+    want_fw, want_bw = EXPECTED_AT_2[case.id]
+    for rank, graphs in enumerate(g["calls"] for g in _aot_eager_graphs(case)):
+        assert ("bw" in graphs) == (want_bw is not None), f"rank {rank}: graphs {sorted(graphs)}"
+        pairs = [("forward", graphs["fw"], want_fw)]
+        if want_bw is not None:
+            pairs.append(("backward", graphs["bw"], want_bw))
+        for kind, calls, want in pairs:
+            counts = collective_counts(calls)
+            waits = counts.pop(WAIT, 0)
+            assert counts == want, f"rank {rank} {kind}: collectives {counts}, expected {want}"
+            assert waits == sum(counts.values()), f"rank {rank} {kind}: {waits} waits for {counts}"
+            assert forbidden_calls(calls) == [], f"rank {rank} {kind}: in-place or torch.distributed calls"
+
+
+def _funcoll_ops(calls: list[dict[str, Any]]) -> list[str]:
+    return [call["op"] for call in calls if call["op"].startswith("funcoll.")]
+
+
+@pytest.mark.parametrize("case", _graph_params())
+def test_host_sync_op_is_in_the_forward_iff_the_op_exchanges_sizes(case: OpCase) -> None:
+    """An op that exchanges sizes reads the size table on the host once, in its forward; no other op does."""
+    for rank, graphs in enumerate(g["calls"] for g in _aot_eager_graphs(case)):
+        fw_ops = _funcoll_ops(graphs["fw"])
+        if case.exchanges_sizes:
+            assert len(fw_ops) == 1, f"rank {rank}: funcoll custom ops in the forward: {fw_ops}"
+        else:
+            assert fw_ops == [], f"rank {rank}: an op without a size exchange holds {fw_ops}"
+        assert _funcoll_ops(graphs.get("bw", [])) == [], (
+            f"rank {rank}: the backward reads sizes on the host again"
+        )
+
+
+def test_forbidden_calls_flags_in_place_collectives_and_torch_distributed() -> None:
+    # The graph checks above pass only if forbidden_calls can fire: show it what it must catch.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))  # allowed
+    graph.call_function(torch.ops._c10d_functional.all_reduce_.default, (x, "sum", "0"))
+    graph.call_function(
+        torch.ops._c10d_functional.all_gather_into_tensor_out.default, (x, 2, "0"), {"out": x}
+    )
+    graph.call_function(torch.ops.c10d.allreduce_.default, (x,))
+    graph.call_function(torch.distributed.all_reduce, (x,))
+    assert forbidden_calls(summarize_graph(graph)) == [
+        "_c10d_functional.all_reduce_",
+        "_c10d_functional.all_gather_into_tensor_out",
+        "c10d.allreduce_",
+        "torch.distributed.distributed_c10d.all_reduce",
+    ]
 
 
 def _explain_params() -> list:

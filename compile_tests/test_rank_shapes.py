@@ -24,7 +24,8 @@ The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 2 under inductor's overlap passes, the cases whose ranks hold different shapes; not
 the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgraph;
 on inductor at 2 ranks, not the cases of ``FULLGRAPH_INDUCTOR``, whose generated code
-test_fullgraph compares across ranks),
+test_fullgraph compares across ranks; on aot_eager at 2 ranks none: test_fullgraph
+compiles every case there over the same two steps and compares the ranks' graphs),
 run for two steps of which only the last rank's shape changes
 (``_ops.last_rank_shifted``; on aot_eager every case, on inductor the
 ``INDUCTOR_CASES``, suite time): that rank alone compiles again on the second, with
@@ -61,6 +62,7 @@ from _ops import (
     STOPPED,
     Batch,
     OpCase,
+    last_rank_shape_changes,
     last_rank_shifted,
     moe_step,
     reference_grads,
@@ -228,17 +230,10 @@ def _two_steps(compiler: str, case_id: str) -> bool:
     return compiler == "aot_eager" or case_id in INDUCTOR_CASES
 
 
-def _last_rank_shape_changes(case: OpCase, world: int) -> bool:
-    """Whether the last rank's inputs have another shape on the first step of ``two_steps``."""
-    with last_rank_shifted():
-        first = [t.shape for t in case.inputs(world - 1, world)]
-    return first != [t.shape for t in case.inputs(world - 1, world)]
-
-
 def _shapes_differ(case: OpCase, world: int) -> bool:
     """Whether some rank's inputs have another shape than another's, on either step."""
     shapes = {tuple(tuple(t.shape) for t in case.inputs(r, world)) for r in range(world)}
-    return len(shapes) > 1 or _last_rank_shape_changes(case, world)
+    return len(shapes) > 1 or last_rank_shape_changes(case, world)
 
 
 def _overlap_case(cid: str, differ: list[str]) -> bool:
@@ -256,13 +251,14 @@ def _overlap_case(cid: str, differ: list[str]) -> bool:
 def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
-    # every rank. aot_eager: every op at 2 ranks, these at 3 (suite time). Inductor: every
-    # op at 2 ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR); at 3
-    # the ops whose backward builds its send buffers, where a third rank adds a nonzero
-    # length. Neither: ELSEWHERE. Inductor's overlap passes: these at 2 ranks
-    # (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
+    # every rank. aot_eager: these at 3 ranks (at 2 every op compiles in test_fullgraph, over
+    # the same two steps, its ranks' graphs compared: suite time). Inductor: every op at 2
+    # ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR); at 3 the
+    # ops whose backward builds its send buffers, where a third rank adds a nonzero length.
+    # Neither: ELSEWHERE. Inductor's overlap passes: these at 2 ranks (_overlap_case). The
+    # MoE and pair steps: STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
-    keys = [f"aot_eager|{cid}" for cid in (ops if world == 2 else differ) if cid not in ELSEWHERE]
+    keys = [f"aot_eager|{cid}" for cid in differ if world > 2 and cid not in ELSEWHERE]
     inductor = [cid for cid in ops if cid not in FULLGRAPH_INDUCTOR] if world == 2 else INDUCTOR_CASES
     keys += [f"inductor|{cid}" for cid in inductor if cid not in ELSEWHERE]
     keys += [f"inductor-overlap|{cid}" for cid in ops if world == 2 and _overlap_case(cid, differ)]
@@ -325,7 +321,7 @@ def test_ranks_issue_the_same_collectives(world: int, key: str) -> None:
     phases = ("forward", "backward")[: 2 if op_case is None else _phases(op_case)]
     assert [len(run["graphs"]) for run in runs] == [len(phases)] * world, [len(run["graphs"]) for run in runs]
     two = op_case is not None and _two_steps(key.split("|", 1)[0], case_id)
-    if two and _last_rank_shape_changes(op_case, world):  # it compiled on both steps
+    if two and last_rank_shape_changes(op_case, world):  # it compiled on both steps
         assert runs[-1]["compiled"] == 2 * len(phases), (
             f"the last rank compiled {runs[-1]['compiled']} graphs"
         )
