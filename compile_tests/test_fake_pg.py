@@ -10,9 +10,9 @@ executes, so garbage never reaches the ragged ops' size checks.
 Checked per graph: which ``_c10d_functional`` collectives appear and how many (every
 one with its ``wait_tensor``), that each carries the group's size (``group_size ==
 W``, all_to_all_single split lists of length W) and the group's name, and that
-all_gather's output holds W blocks. Every world size runs in a subprocess of its own,
-all at once (``run_ranks`` with one rank per world size, each of which then replaces
-its group by a fake one of W ranks).
+all_gather's output holds W blocks. Each traced rank of each world size runs in a
+subprocess of its own, all at once (``run_ranks`` with one child per traced rank,
+``CHILDREN``, each of which then replaces its group by a fake one of W ranks).
 
 Every op is traced forward and backward at 64 or 1024 ranks (the 2 to 4 of the
 other tests are real ranks). At 1024 ranks, every case that exchanges no sizes: the
@@ -26,9 +26,11 @@ all_to_all up to 64 ranks and pads past them: it is traced at 256.
 
 Ranks whose local shapes differ issue the same collectives at 64 ranks too: ranks
 1 and 63 (0 and 3 rows along the ragged dim; 63 is the root of the ``-last`` cases)
-trace every case, each in a child of its own, and :func:`funcoll.testing.collective_mismatch` compares their
-forward graphs and their backward graphs (test_rank_shapes does the same on real
-ranks, where it also pairs all_to_all's splits, which needs every rank's graph).
+trace every case, each in a child of its own, and
+:func:`funcoll.testing.collective_mismatch` compares their forward graphs and their
+backward graphs (test_rank_shapes does the same on real ranks, where it also pairs
+all_to_all's splits, which needs every rank's graph). Rank 1's graphs are also those
+whose structure is checked at 64 ranks (rank 0's at 256 and 1024).
 """
 
 from __future__ import annotations
@@ -71,18 +73,37 @@ PLAN: dict[int, dict[str, bool]] = {
 }
 
 
-def _trace_on_fake_group(rank: int, world: int) -> dict:
-    """In run_ranks child `rank`: swap its group for a fake group of the `rank`-th world of PLAN and trace."""
-    fake_world = tuple(PLAN)[rank]
-    plan = {c: bw for c, bw in PLAN[fake_world].items() if c not in KNOWN_BUGS}
+# ------------------------------------------------------ ranks with other local shapes
+# Two ranks of 64 with 0 and 3 rows along the ragged dim (_ops.ragged_sizes), each
+# tracing on its own: their graphs must issue the same collectives (op, group, the sizes
+# the graph knows), forward and backward, as the 2 to 3 real ranks of test_rank_shapes do.
+# What all_to_all's splits pair with needs every rank's graph: the real ranks check it.
+SHAPE_WORLD = 64
+# Rank 0 (1 row, the root of the src0/dst0 cases) meets the others on 2 and 3 real ranks
+# there. The first of these traces PLAN[64] for the structure tests too (suite time).
+SHAPE_RANKS = (1, 63)
+# What each run_ranks child traces: (world, rank); the shape ranks first, then PLAN's other worlds.
+CHILDREN = (*((SHAPE_WORLD, r) for r in SHAPE_RANKS), *((w, 0) for w in PLAN if w != SHAPE_WORLD))
+
+
+def _trace_on_fake_group(child: int, world: int) -> dict:
+    """In run_ranks child `child`: swap its group for a fake one as ``CHILDREN[child]`` and trace.
+
+    A shape rank traces every ``at_scale`` case, forward and backward; the others
+    their world's plan.
+    """
+    fake_world, fake_rank = CHILDREN[child]
+    plan = dict.fromkeys(_ALL, True) if fake_world == SHAPE_WORLD else PLAN[fake_world]
+    plan = {c: bw for c, bw in plan.items() if c not in KNOWN_BUGS}
     dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+    dist.init_process_group("fake", store=FakeStore(), rank=fake_rank, world_size=fake_world)
     try:
         group_name = dist.group.WORLD.group_name
         return {
             "group_name": group_name,
             **{
-                cid: trace_graphs(CASES_BY_ID[cid], 0, fake_world, backward) for cid, backward in plan.items()
+                cid: trace_graphs(CASES_BY_ID[cid], fake_rank, fake_world, backward)
+                for cid, backward in plan.items()
             },
         }
     finally:
@@ -91,16 +112,16 @@ def _trace_on_fake_group(rank: int, world: int) -> dict:
 
 
 @functools.cache
-def _all_traces() -> dict[int, dict[str, Any]]:
-    # One child per world size, all at once: each traces on its own, so the three share
-    # the machine's cores (the 64-rank plan, the longest, beside the other two).
-    return dict(
-        zip(PLAN, run_ranks(_trace_on_fake_group, len(PLAN), backend="fake", timeout=600), strict=True)
-    )
+def _all_traces() -> list[dict[str, Any]]:
+    # One child per (world, rank) of CHILDREN, all at once: each traces on its own, so they
+    # share the machine's cores (the two shape ranks of 64, the longest, beside the others).
+    return run_ranks(_trace_on_fake_group, len(CHILDREN), backend="fake", timeout=600)
 
 
 def _traces(fake_world: int) -> dict[str, Any]:
-    return _all_traces()[fake_world]
+    """What rank 0 of a fake group of `fake_world` traced; at 64, rank 1 (the first shape rank)."""
+    rank = SHAPE_RANKS[0] if fake_world == SHAPE_WORLD else 0
+    return _all_traces()[CHILDREN.index((fake_world, rank))]
 
 
 def _params() -> list:
@@ -162,33 +183,12 @@ def test_all_gather_output_holds_one_block_per_rank() -> None:
         assert [c["out_shape"] for c in gathers] == [[3 * world, 5]], f"world {world}"
 
 
-# ------------------------------------------------------ ranks with other local shapes
-# Two ranks of 64 with 0 and 3 rows along the ragged dim (_ops.ragged_sizes), each
-# tracing on its own: their graphs must issue the same collectives (op, group, the sizes
-# the graph knows), forward and backward, as the 2 to 3 real ranks of test_rank_shapes do.
-# What all_to_all's splits pair with needs every rank's graph: the real ranks check it.
-SHAPE_WORLD = 64
-# Rank 0 (1 row, the root of the src0/dst0 cases) meets the others on 2 and 3 real ranks
-# there; its graphs at 64 are the world plan's above (suite time: a child a rank).
-SHAPE_RANKS = (1, 63)
-
-
-def _trace_as_rank(rank: int, world: int) -> dict[str, Any]:
-    """In run_ranks child `rank`: trace every case as rank ``SHAPE_RANKS[rank]`` of a fake group of 64."""
-    fake_rank = SHAPE_RANKS[rank]
-    dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=fake_rank, world_size=SHAPE_WORLD)
-    try:
-        traced = {cid: trace_graphs(CASES_BY_ID[cid], fake_rank, SHAPE_WORLD) for cid in _ALL}
-        return {cid: t.get("error") or t["collectives"] for cid, t in traced.items()}
-    finally:
-        dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # for run_ranks to destroy
-
-
-@functools.cache
 def _rank_traces() -> list[dict[str, Any]]:
-    return run_ranks(_trace_as_rank, len(SHAPE_RANKS), backend="fake", timeout=600)
+    """Each shape rank's traces: ``{case id: error or [forward, backward] collectives}``."""
+    return [
+        {cid: t.get("error") or t["collectives"] for cid, t in traces.items() if cid != "group_name"}
+        for traces in _all_traces()[: len(SHAPE_RANKS)]
+    ]
 
 
 @pytest.mark.parametrize("cid", [c for c in _ALL if c not in KNOWN_BUGS])
