@@ -251,3 +251,58 @@ def test_heartbeat_says_the_block_is_still_running_until_it_ends(capsys: pytest.
     with funcoll.testing.heartbeat("quiet", every=0.01, enabled=False):
         time.sleep(0.05)
     assert capsys.readouterr().out == ""
+
+
+_CYCLE_PROGRAM = """
+import atexit, gc, os, socket, sys, weakref
+seen = []
+# registered before funcoll's own exit hook, so it runs after it
+atexit.register(lambda: print("exit:", "alive" if seen[0]() is not None else "freed"))
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import funcoll
+from funcoll.testing import launch
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+gc.disable()  # only funcoll may collect: the test must not pass by the collector's chance
+
+def run(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    held = {"x": funcoll.all_gather(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))}
+    held["self"] = held  # a cycle holds the DTensor, its mesh and the mesh's process group
+    seen.append(weakref.ref(mesh.get_group()))
+
+if sys.argv[1] == "launch":
+    assert launch(run, 1) == 0
+    print("launch:", "alive" if seen[0]() is not None else "freed")
+else:  # a program of its own, as the README's: init, work, destroy
+    dist.init_process_group("gloo")
+    run(0, 1)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(
+    "how, expect",
+    [("launch", ["launch: freed", "exit: freed"]), ("plain", ["exit: freed"])],
+)
+def test_no_process_group_is_left_for_interpreter_finalization(how: str, expect: list[str]) -> None:
+    """A process group a cycle holds is freed before the interpreter finalizes: by ``launch``, or at exit.
+
+    A gloo group freed only by finalization's own collection has worker threads
+    that may take the GIL of a finalizing interpreter: SIGABRT after the program's
+    last line. ``launch`` collects before its barrier; funcoll's exit hook collects
+    for a program that destroys its group itself.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _CYCLE_PROGRAM, how], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == expect, done.stdout + done.stderr[-3000:]

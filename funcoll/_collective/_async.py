@@ -22,6 +22,7 @@ Only eager code gets a :class:`Pending`: a compiled graph has the bare
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import threading
@@ -188,21 +189,35 @@ def _wait_left() -> None:
     never issue the collective), and the waits run on a thread given 10 s, so that
     exit never blocks on a peer that is gone; a failure has no caller left to
     raise to and is dropped with the rest of the process.
+
+    Then, unless a wait is still stuck, it frees what reference cycles hold
+    (``gc.collect``) while the interpreter still runs. A DTensor or DeviceMesh
+    keeps its process group alive past ``destroy_process_group``, and the group's
+    gloo worker threads with it; left to the collection inside interpreter
+    finalization, a worker thread that drops a finished collective's tensors
+    takes the GIL of a finalizing interpreter, which ends the thread by force:
+    "terminate called without an active exception", SIGABRT after the program's
+    last line (docs/errors.md, "Faults"). Freed here, the group's destructor joins
+    its threads as it does in mid-program.
     """
-    left = [t for t in list(_live) if not t.done]
-    if not left or getattr(sys, "last_value", None) is not None:  # set when an uncaught exception ended it
+    if getattr(sys, "last_value", None) is not None:  # set when an uncaught exception ended it
         return
+    left = [t for t in list(_live) if not t.done]
+    if left:
 
-    def waits() -> None:
-        for ticket in left:
-            try:
-                ticket.wait()
-            except Exception:  # noqa: BLE001 -- the process is ending; the peers may be gone
-                pass
+        def waits() -> None:
+            for ticket in left:
+                try:
+                    ticket.wait()
+                except Exception:  # noqa: BLE001 -- the process is ending; the peers may be gone
+                    pass
 
-    thread = threading.Thread(target=waits, name="funcoll-exit-waits", daemon=True)
-    thread.start()
-    thread.join(timeout=10.0)
+        thread = threading.Thread(target=waits, name="funcoll-exit-waits", daemon=True)
+        thread.start()
+        thread.join(timeout=10.0)
+        if thread.is_alive():  # a peer is gone: freeing its group now could join a stuck thread
+            return
+    gc.collect()
 
 
 def drain() -> None:
