@@ -40,6 +40,9 @@ documents instead:
   raises in jax 0.10.2 (a cotangent of the wrong shape): those gradients come
   from ``jax.jacfwd`` of the same loss, forward mode, which is the same number.
 * ``pmax`` / ``pmin`` have no gradient in either.
+* jax 0.10.2 cannot run a negative ``scatter_dimension`` (XLA refuses it) or
+  ``split_axis`` (XLA crashes): those cases' JAX side counts the same dims from the
+  front (``_op_jax_at``); negative ``all_gather`` axes run in JAX as written.
 
 JAX runs in a subprocess (``python tests/test_lax_jax.py OUT``), one ``jit`` per
 mesh computing every output and gradient of its cases: ``run_ranks`` forks, and a
@@ -158,6 +161,22 @@ def _op(op: str, axis_name: Any, **kw: Any) -> Callable[..., Any]:
     return fn
 
 
+def _op_jax_at(op: str, axis_name: Any, kw: dict[str, int], jax_kw: dict[str, int]) -> Callable[..., Any]:
+    """funcoll's `op` with `kw` (negative dims); JAX's with `jax_kw`, the same dims counted from the front.
+
+    jax 0.10.2 types negative dims of ``psum_scatter`` and ``all_to_all`` but cannot
+    run them: XLA refuses a negative ``scatter_dimension`` ("must be non-negative")
+    and crashes (SIGSEGV) on a negative ``split_axis``. A negative dim counts from the
+    end, as everywhere in JAX and torch, so JAX runs the same dims counted from the
+    front.
+    """
+
+    def fn(lax: Any, ns: Any, x: Any) -> Any:
+        return getattr(lax, op)(x, axis_name, **(kw if lax is flax else jax_kw))
+
+    return fn
+
+
 def _index(axis: Any) -> Callable[..., Any]:
     def fn(lax: Any, ns: Any, x: Any) -> Any:
         return x * lax.axis_size(axis) + lax.axis_index(axis)
@@ -227,6 +246,46 @@ def op_cases(mesh: str, axis: Any) -> list[Case]:
         ("pcast-2x3-varying", _op("pcast", axis, to="varying"), (2, 3), "grad"),
     ]
     return [Case(f"{name}-{mesh}-{a}", mesh, fn, (((shape), f),), grad) for name, fn, shape, grad in rows]
+
+
+def negative_dim_cases() -> list[Case]:
+    """Dims counted from the end, on one axis (or tuple) of each mesh; JAX's oracle as `_op_jax_at` says."""
+    out = []
+    for mesh, axis in (("i", "i"), ("dp_tp", ("tp", "dp")), ("abc", ("c", "a", "b"))):
+        n, a = size_of(mesh, axis), tag(axis)
+        rows: list[tuple[str, Callable[..., Any], tuple[int, ...]]] = [
+            ("all_gather-3x2-axis-1", _op("all_gather", axis, axis=-1), (3, 2)),  # JAX runs these itself
+            ("all_gather-2x3-tiled-axis-1", _op("all_gather", axis, axis=-1, tiled=True), (2, 3)),
+            (
+                f"psum_scatter-3x{n}-dim-1",
+                _op_jax_at("psum_scatter", axis, {"scatter_dimension": -1}, {"scatter_dimension": 1}),
+                (3, n),
+            ),
+            (
+                f"psum_scatter-3x{2 * n}-dim-1-tiled",
+                _op_jax_at(
+                    "psum_scatter",
+                    axis,
+                    {"scatter_dimension": -1, "tiled": True},
+                    {"scatter_dimension": 1, "tiled": True},
+                ),
+                (3, 2 * n),
+            ),
+            (
+                f"all_to_all-3x{2 * n}-s-1c-2-tiled",
+                _op_jax_at(
+                    "all_to_all",
+                    axis,
+                    {"split_axis": -1, "concat_axis": -2, "tiled": True},
+                    {"split_axis": 1, "concat_axis": 0, "tiled": True},
+                ),
+                (3, 2 * n),
+            ),
+        ]
+        out += [
+            Case(f"{name}-{mesh}-{a}", mesh, fn, ((shape, "float64"),), "grad") for name, fn, shape in rows
+        ]
+    return out
 
 
 def dtype_cases() -> list[Case]:
@@ -375,7 +434,7 @@ COMPILED = {  # funcoll's side of these runs compiled too (each compile costs se
 
 def cases() -> list[Case]:
     out = [c for mesh, axes in AXES.items() for axis in axes for c in op_cases(mesh, axis)]
-    out += dtype_cases() + ragged_cases() + program_cases()
+    out += negative_dim_cases() + dtype_cases() + ragged_cases() + program_cases()
     return [dataclasses.replace(c, compiled=True) if c.id in COMPILED else c for c in out]
 
 
