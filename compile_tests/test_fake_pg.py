@@ -183,6 +183,7 @@ def test_all_gather_output_holds_one_block_per_rank() -> None:
         assert [c["out_shape"] for c in gathers] == [[3 * world, 5]], f"world {world}"
 
 
+@functools.cache
 def _rank_traces() -> list[dict[str, Any]]:
     """Each shape rank's traces: ``{case id: error or [forward, backward] collectives}``."""
     return [

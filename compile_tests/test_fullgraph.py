@@ -149,6 +149,9 @@ def _compile_and_run(
         if has_error(res):
             return res  # stop at the first error: the ranks may be out of step
         torch._dynamo.reset()  # one step function recompiled per case would trip the recompile limit
+        if backend == "aot_eager" and d is None:  # compiles on its own recording backend
+            res[("compiled", d)], res["graphs"] = _recorded_steps(case, rank, world)
+            continue
         compiled = torch.compile(case.call, fullgraph=True, backend=backend, dynamic=d)
         if backend == "inductor":  # keep the generated code too
             try:
@@ -157,8 +160,6 @@ def _compile_and_run(
                 )
             except Exception:  # noqa: BLE001 -- a failure to compile is reported by the tests
                 res[("compiled", d)] = {"error": traceback.format_exc(limit=-8)}
-        elif backend == "aot_eager" and d is None:
-            res[("compiled", d)], res["graphs"] = _recorded_steps(case, rank, world)
         else:
             with torch.device("cpu"):  # as _recorded_steps runs
                 res[("compiled", d)] = run_case(case, rank, world, compiled)
