@@ -111,30 +111,12 @@ def _worker(
             dist.barrier()  # every rank done before any tears its connections down
         finally:
             dist.destroy_process_group()
-        # No _collect_garbage here (it costs 0.15-0.3 s a call with torch loaded): a forked
+        # No gc.collect here, as launch has (0.15-0.3 s a call with torch loaded): a forked
         # rank ends in os._exit, without the interpreter's finalization, and a spawned one
         # runs funcoll's exit hook, which collects before finalization.
         results.put((rank, True, _dumps(out)))
     except BaseException:  # noqa: BLE001 -- report everything to the parent, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
-
-
-def _collect_garbage() -> None:
-    """Free what reference cycles still hold of a rank's work, while the interpreter runs.
-
-    A DTensor, or a DeviceMesh, keeps its process group alive past
-    ``destroy_process_group``, and that group's gloo worker threads with it. Held
-    in a cycle (a rank function's locals often are), it would be freed only by
-    the collection at interpreter exit. There a worker thread that drops a
-    finished collective's tensors takes the GIL of a finalizing interpreter,
-    which ends the thread by force: ``std::terminate``, "terminate called without
-    an active exception", SIGABRT after the program's last line (3 of 40
-    ``torchrun`` runs of ``examples/dtensor_ragged.py`` on a loaded 2-core
-    machine; 0 of 100 with this collection). Collected here, the group's last
-    reference goes at ``destroy_process_group``, whose destructor joins its
-    threads.
-    """
-    gc.collect()
 
 
 def _exited(procs: list[Any], reported: set[int], failed_only: bool = False) -> list[int]:
@@ -439,7 +421,10 @@ def launch(
         dist.init_process_group(backend)
         try:
             fn(dist.get_rank(), dist.get_world_size(), *args)
-            _collect_garbage()
+            # Free the groups that cycles in fn's locals hold, so that destroy_process_group
+            # joins their gloo threads; at finalization they abort the process (the exit
+            # hook, funcoll._collective._async._wait_left, says how).
+            gc.collect()
             _async.drain()
             dist.barrier()
         finally:
