@@ -9,7 +9,11 @@ steps, each with a fresh routing and fresh weights, the loss's backward
 included, in each mode: exact, static, and the :class:`funcoll.moe.Dropless`
 policy (its forward run through ``policy.run``, starting from a capacity that
 the first step overflows). On 3 ranks, one of them with no tokens, exact mode and
-the policy run 8 steps. On inductor (2 ranks), the policy runs 6 steps, forward
+the policy run 8 steps. On 2 ranks exact mode also runs 4 steps whose token
+counts change (one rank holds none at one step) with `x`, `topk_idx` and
+`topk_weights` each marked with ``funcoll.mark_ragged``, as docs/compile.md says to
+mark MoE token counts: one graph, whose argument checks must not ask dynamo to
+compare the marked sizes (a data-dependent guard error before). On inductor (2 ranks), the policy runs 6 steps, forward
 and backward: its static graphs and, for its overflow reruns, exact mode's (the
 compiled experts' arithmetic is inductor's, so values match eager to float64
 rounding). Checked per rank and mode:
@@ -51,15 +55,22 @@ STEPS = {2: 12, 3: 8}  # fewer at 3 ranks (and no plain static mode, which dropl
 MODES = {2: ("exact", "static", "dropless"), 3: ("exact", "dropless")}
 # On inductor, 2 ranks: the policy's steps compile its static graphs and its exact reruns' graph.
 INDUCTOR_MODES, INDUCTOR_STEPS = ("dropless",), 6
+# Exact mode at 2 ranks with token counts that change every step (rank r holds RAGGED_TOKENS[s] + r,
+# rank 0 none at step 2), `x`, `topk_idx` and `topk_weights` each marked with mark_ragged: one graph.
+RAGGED_TOKENS = (5, 3, 0, 6)
 CAPACITY = 5  # static mode: some steps drop pairs
 DROPLESS_START = 2  # the Dropless policy's first capacity: its first step overflows
 
 
-def _inputs(step: int, rank: int, world: int) -> tuple[Tensor, Tensor, Tensor]:
+def _inputs(step: int, rank: int, world: int, tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    t = TOKENS[world][rank]
+    t = TOKENS[world][rank] if tokens is None else tokens
     x = torch.randn(t, H, generator=g, dtype=torch.float64)
-    idx = torch.rand(t, world * E_LOCAL, generator=g).argsort(1)[:, :K].contiguous()
+    idx = (
+        torch.rand(t, world * E_LOCAL, generator=g)
+        .argsort(1)[:, :K]
+        .clone(memory_format=torch.contiguous_format)
+    )  # one stride at any T
     if step % 4 == 1:  # every pair to one expert some steps: the skewed routings
         idx = torch.full_like(idx, step % (world * E_LOCAL))
     w = torch.rand(t, K, generator=g, dtype=torch.float64)
@@ -92,8 +103,13 @@ def _host_reads(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def _one_step(fn: Any, step: int, rank: int, world: int, mode: Any) -> list[Tensor]:
-    x, idx, w = _inputs(step, rank, world)
+def _one_step(
+    fn: Any, step: int, rank: int, world: int, mode: Any, tokens: int | None = None
+) -> list[Tensor]:
+    x, idx, w = _inputs(step, rank, world, tokens)
+    if tokens is not None:  # a token count that changes: every input's token dim marked, as users mark them
+        for t in (x, idx, w):
+            funcoll.mark_ragged(t, 0)
     weights = _experts(rank).requires_grad_()
     x.requires_grad_()
     w.requires_grad_()
@@ -147,6 +163,18 @@ def _run(rank: int, world: int, backend: str) -> dict[str, Any]:
             policy = moe.Dropless(max(capacities)) if mode == "dropless" else None
             _one_step(traced, 0, rank, world, policy or mode)
             res[mode]["reads"] = [_host_reads(gm) for gm in graphs]
+    if world == 2 and backend == "aot_eager":
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(step_fn, fullgraph=True, backend=counter)
+        steps = list(enumerate(t + rank for t in RAGGED_TOKENS))
+        got = funcoll.wait([_one_step(compiled, s, rank, world, "exact", t) for s, t in steps])
+        left = {"compiled": in_flight()}
+        eager = funcoll.wait([_one_step(step_fn, s, rank, world, "exact", t) for s, t in steps])
+        left["eager"] = in_flight()
+        res["exact, mark_ragged"] = {
+            "frames": counter.frame_count, "capacities": [], "got": got, "eager": eager, "in_flight": left,
+        }  # fmt: skip
     return res
 
 

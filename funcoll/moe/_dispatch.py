@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base._checks import IntLike
+from .._base._checks import IntLike, same_sizes
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike, resolve_group
 from .._base._quant import Wire
@@ -68,11 +68,12 @@ def _check_dispatch_args(
         raise ValueError(
             f"{opname}: `topk_idx` has shape {tuple(topk_idx.shape)}: each token needs k >= 1 choices"
         )
-    if isinstance(x.shape[0], int) and isinstance(topk_idx.shape[0], int) and x.shape[0] != topk_idx.shape[0]:
+    if not same_sizes(
+        x.shape[:1], topk_idx.shape[:1], f"{opname}: `topk_idx` must have one row per token of `x`"
+    ):
         raise ValueError(
             f"{opname}: `topk_idx` has {topk_idx.shape[0]} rows but `x` has {x.shape[0]} tokens: one row per token"
         )
-    torch._check(x.shape[0] == topk_idx.shape[0])
     if not is_int(num_experts):
         raise TypeError(f"{opname}: `num_experts` must be an int, got {type(num_experts).__name__}")
     if num_experts <= 0 or num_experts % world:  # type: ignore[operator]
@@ -115,8 +116,8 @@ def _check_dispatch_args(
                 f"this rank's (token, choice) pairs routed to each expert"
             )
     if isinstance(topk_weights, Tensor):
-        if tuple(topk_weights.shape) != tuple(topk_idx.shape) and all(
-            isinstance(n, int) for n in (*topk_weights.shape, *topk_idx.shape)
+        if not same_sizes(
+            topk_weights.shape, topk_idx.shape, f"{opname}: `topk_weights` must have `topk_idx`'s shape"
         ):
             raise ValueError(
                 f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected `topk_idx`'s "
@@ -607,13 +608,14 @@ def combine(
     if y.dim() != 2:
         raise ValueError(f"{opname}: `y` must be 2-D (rows, hidden), got shape {tuple(y.shape)}")
     rows = handle.recv_source.shape[0]
-    if isinstance(y.shape[0], int) and isinstance(rows, int) and y.shape[0] != rows:
+    if not same_sizes(y.shape[:1], (rows,), f"{opname}: `y` must have as many rows as dispatch's `recv`"):
         raise ValueError(
             f"{opname}: `y` has {y.shape[0]} rows but dispatch's `recv` had {rows}: the same layout"
         )
-    torch._check(y.shape[0] == rows)
     want = (handle.tokens, handle.topk)
-    if tuple(topk_weights.shape) != want and all(isinstance(n, int) for n in topk_weights.shape):
+    if not same_sizes(
+        topk_weights.shape, want, f"{opname}: `topk_weights` must have shape (T, k) of dispatch's `x`"
+    ):
         raise ValueError(
             f"{opname}: `topk_weights` has shape {tuple(topk_weights.shape)}, expected (T, k) = {want}"
         )
