@@ -123,14 +123,16 @@ def cast_missing(t: Tensor, missing: frozenset[str], opname: str) -> Tensor:
 
 
 def typed_leaf(
-    opname: str, axis_name: Any, rule: str, one: Callable[[Tensor], Tensor]
+    opname: str, axis_name: Any, rule: str, one: Callable[[Tensor], Tensor], *, sums: bool = False
 ) -> Callable[[Tensor], Tensor]:
     """`one`, a collective on a plain tensor, as the typed mode runs it, or `one` itself outside it.
 
     The input is cast to vary over the collective's axes first (JAX casts
     automatically: ``psum`` of an invariant value is the axis size times it, and the
     cast's backward psums its gradient), then `one` runs on the plain tensor and its
-    result is typed by :data:`RULES`.
+    result is typed by :data:`RULES`. A sum (`sums`: ``psum``, ``pmean``,
+    ``psum_scatter``) takes a value that varies over all of its axes or over none,
+    as JAX's does: one that varies over some only raises (:func:`_mixed_sum`).
     """
     if not typed_mode():
         return one
@@ -139,7 +141,26 @@ def typed_leaf(
 
     def leaf(v: Tensor) -> Tensor:
         have = vma_of(v)
+        if sums and have & axes and axes - have:
+            _mixed_sum(opname, axis_name, have, axes)
         p = cast_missing(plain(v), axes - have, opname)
         return typed(one(p), out_rule(have, axes))
 
     return leaf
+
+
+def _mixed_sum(opname: str, axis_name: Any, have: frozenset[str], axes: frozenset[str]) -> None:
+    """A sum over axes that its value varies over only some of: JAX refuses it while tracing.
+
+    Casting it would count each copy along the invariant axes (a psum over ("dp", "tp") of
+    a value varying over "tp" alone is twice its sum over "tp" on a 2-wide "dp"), which
+    JAX's typed mode does not guess: it asks for the cast, or a sum over the varying axes.
+    """
+    varying, invariant = sorted(have & axes), sorted(axes - have)
+    raise ValueError(
+        f"{opname}: `x` varies over {varying} but not over {invariant} of axis_name={axis_name!r} in "
+        f"shard_map(..., check_vma=True); a sum takes a value that varies over all of its axes or none, "
+        f"as in JAX: sum over {tuple(varying) if len(varying) > 1 else varying[0]!r} alone, or cast first "
+        f"(lax.pcast(x, {tuple(invariant) if len(invariant) > 1 else invariant[0]!r}, to='varying')) to count "
+        f"each copy"
+    )

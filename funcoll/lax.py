@@ -130,7 +130,8 @@ def _reduce(opname: str, x: _T, axis_name: AxisName, op: str, number: Callable[[
             return _even.all_reduce_invariant(v, group, op)
         return _even.all_reduce(v, group=ax.group, op=op)
 
-    return _leaves(opname, x, typed_leaf(opname, axis_name, "reduce", one), lambda n: number(n, ax.size))
+    leaf = typed_leaf(opname, axis_name, "reduce", one, sums=op == "sum")
+    return _leaves(opname, x, leaf, lambda n: number(n, ax.size))
 
 
 def psum(x: _T, axis_name: AxisName) -> _T:
@@ -350,7 +351,7 @@ def psum_scatter(x: _T, axis_name: AxisName, *, scatter_dimension: int = 0, tile
             return v.clone() if tiled else v.squeeze(d).clone()
         return _even.reduce_scatter(_blocks(v, d, ax.order), d, group=ax.group, op="sum", tiled=tiled)
 
-    return _leaves(opname, x, typed_leaf(opname, axis_name, "varying", one))
+    return _leaves(opname, x, typed_leaf(opname, axis_name, "varying", one, sums=True))
 
 
 def all_to_all(x: _T, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False) -> _T:

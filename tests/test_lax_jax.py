@@ -74,6 +74,7 @@ pytest.importorskip("jax")  # and numpy, which jax requires
 import numpy as np
 import torch
 from _inputs import load_file, once_per_world
+from torch import Tensor
 
 import funcoll
 import funcoll.lax as flax
@@ -566,6 +567,14 @@ TYPED_ERR_CASES = [
             ((4, 2),), ((("dp", "tp"), None),), ()),
     MapCase("typed-pcast-varying-twice-dp_tp", "dp_tp", lambda lax, ns, x: lax.pcast(x, "tp", to="varying"),
             ((4, 2),), (("tp", None),), ("tp", None)),
+    # a sum over ("dp", "tp") of a value varying over "tp" alone: JAX asks for a cast, or the varying axes
+    MapCase("typed-psum-over-mixed-axes-dp_tp", "dp_tp", lambda lax, ns, x: lax.psum(x, ("dp", "tp")),
+            ((2, 4),), ((None, "tp"),), ()),
+    MapCase("typed-pmean-over-mixed-axes-dp_tp", "dp_tp", lambda lax, ns, x: lax.pmean(x, ("tp", "dp")),
+            ((2, 4),), ((None, "tp"),), ()),
+    MapCase("typed-psum_scatter-over-mixed-axes-dp_tp", "dp_tp",
+            lambda lax, ns, x: lax.psum_scatter(x, ("dp", "tp"), scatter_dimension=1, tiled=True),
+            ((2, 8),), ((None, "tp"),), (None, ("dp", "tp"))),
 ]  # fmt: skip
 
 
@@ -580,6 +589,52 @@ def _step_snippet() -> Any:
 
 def _step_inputs() -> list[np.ndarray]:
     return [t.numpy() for t in _step_snippet().global_inputs()]
+
+
+# Gradients taken inside f (jax.grad there, torch.autograd.grad or backward here), on the step's mesh
+# and inputs (w: P(), x: P("dp")), in both modes; each returns every rank's copy of its result.
+def _grad_of_invariant_loss(lax: Any, ns: Any, grad: Any, w: Any, x: Any) -> Any:
+    """x's gradient of a loss psummed over "dp": invariant, so typed, its transpose moves nothing."""
+    return grad(lambda x: lax.psum(ns.sum((x @ w) ** 2), "dp"))(x)
+
+
+def _grad_then_pmean(lax: Any, ns: Any, grad: Any, w: Any, x: Any) -> Any:
+    """A data-parallel step's gradient of each rank's own loss, then its mean."""
+    return lax.pmean(grad(lambda w: ns.sum(ns.tanh(x @ w)))(w), "dp")
+
+
+def _hessian_vector(lax: Any, ns: Any, grad: Any, w: Any, x: Any) -> Any:
+    """A gradient of a gradient: typed, the cast of w (into x @ w) is differentiated twice."""
+    loss = lambda w: lax.pmean(ns.sum(ns.tanh(x @ w) ** 2), "dp")  # noqa: E731 -- as JAX code writes it
+    return grad(lambda w: ns.sum(grad(loss)(w) * w))(w)
+
+
+def _backward_inputs(lax: Any, ns: Any, grad: Any, w: Any, x: Any) -> Any:
+    """_grad_then_pmean with ``loss.backward(inputs=[w])`` (torch only; JAX's side is jax.grad's)."""
+    if ns is not torch:
+        return _grad_then_pmean(lax, ns, grad, w, x)
+    w = w.detach().requires_grad_()
+    torch.tanh(x @ w).sum().backward(inputs=[w])
+    return lax.pmean(w.grad, "dp")
+
+
+GRAD_PROGRAMS: dict[str, Callable[..., Any]] = {
+    "grad-of-invariant-loss": _grad_of_invariant_loss,
+    "grad-then-pmean": _grad_then_pmean,
+    "hessian-vector": _hessian_vector,
+    "backward-inputs": _backward_inputs,
+}
+
+
+def _torch_grad(f: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``jax.grad(f)`` as torch code inside f writes it (create_graph, for a gradient of it)."""
+
+    def g(v: Tensor) -> Tensor:
+        leaf = v if v.requires_grad else v.detach().requires_grad_()
+        (d,) = torch.autograd.grad(f(leaf), leaf, create_graph=True)
+        return d
+
+    return g
 
 
 # ------------------------------------------------------------------------------ JAX's side
@@ -737,6 +792,13 @@ def run_jax(path: str) -> None:
                                               out_specs=P("dp"), check_vma=vma))(*_step_inputs()))
         for vma in (True, False)
     }  # fmt: skip
+    for name, prog in GRAD_PROGRAMS.items():
+        out[name] = {
+            vma: np.asarray(jax.jit(jax.shard_map(lambda w, x, prog=prog: prog(lax, jnp, jax.grad, w, x)[None],
+                                                  mesh=step_mesh, in_specs=(P(), P("dp")), out_specs=P("dp"),
+                                                  check_vma=vma))(*_step_inputs()))
+            for vma in (True, False)
+        }  # fmt: skip
     with open(path, "wb") as fh:
         pickle.dump(out, fh)
 
@@ -849,6 +911,25 @@ def _run_step() -> dict[bool, np.ndarray]:
     }  # fmt: skip
 
 
+def _run_grad_programs() -> dict[str, dict[bool, np.ndarray]]:
+    """GRAD_PROGRAMS in both modes: every rank's copy of each result, stacked."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh("cpu", (STEP_WORLD,), mesh_dim_names=("dp",))
+    w, x = (torch.from_numpy(a) for a in _step_inputs())
+    out: dict[str, dict[bool, Any]] = {}
+    for name, prog in GRAD_PROGRAMS.items():
+        out[name] = {}
+        for vma in (True, False):
+            f = funcoll.shard_map(lambda w, x, prog=prog: prog(flax, torch, _torch_grad, w, x)[None], m,
+                                  (funcoll.P(), funcoll.P("dp")), funcoll.P("dp"), check_vma=vma)  # fmt: skip
+            try:
+                out[name][vma] = f(w, x).full_tensor().detach().numpy()
+            except Exception:  # noqa: BLE001 -- reported by the program's test
+                out[name][vma] = traceback.format_exc(limit=-6)
+    return out
+
+
 def body(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -878,6 +959,7 @@ def body(rank: int, world: int) -> dict[str, Any]:
         jobs.append((e.id, lambda e=e: _run_map_case(e, meshes[e.mesh], True)))
     if world == STEP_WORLD:
         jobs.append((STEP, _run_step))
+        jobs.append(("grad-programs", _run_grad_programs))
     if "dp_tp" in meshes:
         for e in ERR_CASES:
             jobs.append((e.id, lambda e=e: _run_err_case(e, meshes["dp_tp"])))
@@ -1039,6 +1121,21 @@ def test_docs_typed_step_matches_jax(check_vma: bool, oracle: dict[str, Any]) ->
         _same(got[STEP][check_vma], want, f"rank {r}, check_vma={check_vma}")
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "untyped"])
+@pytest.mark.parametrize("name", list(GRAD_PROGRAMS))
+def test_gradient_taken_inside_f_matches_jax(name: str, check_vma: bool, oracle: dict[str, Any]) -> None:
+    """``torch.autograd.grad`` (and ``backward(inputs=...)``) inside f, where JAX calls ``jax.grad``: the
+    same values on every rank, a gradient of a gradient included. Typed, they differentiate the tensors
+    they are given: a cast of the loss or of the input made another graph (the gradient of a loss
+    psummed over "dp" came out times its size, silently)."""
+    want = oracle[name][check_vma]
+    for r, got in enumerate(batch(STEP_WORLD)):
+        assert "error" not in got["grad-programs"], f"rank {r}:\n{got['grad-programs']['error']}"
+        mine = got["grad-programs"][name][check_vma]
+        assert not isinstance(mine, str), f"rank {r}:\n{mine}"
+        _same(mine, want, f"rank {r}, {name}, check_vma={check_vma}")
+
+
 @pytest.mark.parametrize("case", TYPED_ERR_CASES, ids=lambda e: e.id)
 def test_typed_refusals_match_jax(case: MapCase, oracle: dict[str, Any]) -> None:
     """What JAX's typed mode refuses while tracing (an output varying over an axis its spec replicates it
@@ -1064,6 +1161,7 @@ def test_refusals_match_jax(case: ErrCase, oracle: dict[str, Any]) -> None:
 def test_oracle_is_jax_and_cpu_has_no_ragged_all_to_all(oracle: dict[str, Any], report: Any) -> None:
     """The version the suite compared with, and the reason ragged_all_to_all's cases use jnp."""
     n = len(ALL) + sum(c.jnp_ref is None for c in ALL) + len(MAP_RUNS) + len(ERR_CASES) + len(TYPED_ERR_CASES)
+    n += 2 * (1 + len(GRAD_PROGRAMS))  # the docs' SGD step and the gradients taken inside f, in both modes
     report(f"test_lax_jax: {n} programs compared with jax {oracle['jax']} (check_vma False and True)")
     ragged = [c.id for c in ALL if c.jnp_ref is not None]
     for key in ragged:

@@ -283,7 +283,9 @@ class _Pvary(Primitive):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return all_reduce_p(grad.contiguous(), "sum", ctx.group_name, ctx.world), None, None
+        # JAX's transpose of pvary: a psum whose result is invariant, so its own transpose (a
+        # gradient of this gradient) is pvary again, which moves nothing, not a second psum.
+        return psum_invariant_p(grad.contiguous(), "sum", ctx.group_name, ctx.world), None, None
 
 
 def pvary_p(x: Tensor, group_name: str, world: int) -> Tensor:

@@ -74,7 +74,10 @@ class Typed(Tensor):
         if _PLAIN[0]:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        operator = _OPERATORS.get(getattr(func, "__name__", ""))
+        name = getattr(func, "__name__", "")
+        if _AUTOGRAD.get(name, False):
+            return _differentiate(func, args, kwargs)
+        operator = _OPERATORS.get(name)
         if operator is not None and len(args) == 2 and not kwargs:
             func = operator
         vma: frozenset[str] = frozenset()
@@ -93,6 +96,31 @@ class Typed(Tensor):
             if out is target:
                 return out
         return _typed_out(out, vma)
+
+
+# torch.autograd.grad, torch.autograd.backward and Tensor.backward, by name (as _OPERATORS): they
+# differentiate the tensors they are given, which a cast would replace (`_differentiate`).
+_AUTOGRAD: dict[str, bool] = {"grad": True, "backward": True}
+
+
+def _differentiate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.autograd.grad`` or ``backward`` inside a typed `f`, on the tensors as they are.
+
+    No argument is cast: a cast is a new tensor, so ``grad(loss, w)`` would differentiate
+    another output (an invariant loss cast to vary, whose gradient then psums: the
+    result times the axis size) or another input (not in the graph). The gradients
+    are typed as their inputs, as JAX types a cotangent as its primal; the casts that
+    the forward made (a psum of the gradient where an invariant value met a varying
+    one) are on the graph already, so an invariant input's gradient is the same on
+    every rank.
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if getattr(func, "__name__", "") != "grad" or not isinstance(out, tuple):
+        return out  # backward: None
+    inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+    inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    return tuple(g if g is None else typed(g, vma_of(i)) for g, i in zip(out, inputs, strict=True))
 
 
 # The functions that write their first argument in place, by name: torch's `name_` methods and
