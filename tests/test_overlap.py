@@ -179,6 +179,26 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     ops["mul"] = torch.mul(views["view"], 2)
     got["ops"] = ops
 
+    # An input written in place while its collective is in flight: the backend may read the
+    # written values, so the read of the result raises, naming the op (unchecked calls send
+    # `x` itself; all_reduce's functional op copies it at the issue, so writing it is safe).
+    written: dict[str, Any] = {}
+    with funcoll.set_checks(False):
+        for name, call in WRITTEN.items():
+            x = _even(world)[rank].clone()
+            y = call(x)
+            x.add_(1)
+            try:
+                written[name] = ("read", y.clone())
+            except ValueError as e:
+                written[name] = ("raised", str(e))
+            x = _even(world)[rank].clone()
+            y = call(x)
+            first = y.clone()  # read first, then written: no error, the values sent
+            x.add_(1)
+            written[f"{name}, read first"] = ("read", first)
+    got["written"] = written
+
     # A result nobody reads is waited when it is freed: nothing stays registered.
     funcoll.all_gather(_even(world)[rank])
     got["dropped"] = in_flight()
@@ -191,6 +211,16 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     # x.grad is the backward's reduce_scatter, itself pending until read: settled reads it
     got["wait"] = {"type": type(waited).__name__, **settled({"grad": x.grad})}
     return got
+
+
+# Ops whose collective reads the input while in flight, and all_reduce, whose functional op copies it.
+WRITTEN: dict[str, Callable[[Tensor], Tensor]] = {
+    "all_gather": lambda x: funcoll.all_gather(x),
+    "all_to_all": lambda x: funcoll.all_to_all(x, None, 0, 0),
+    "reduce_scatter": lambda x: funcoll.reduce_scatter(x),
+    "gather pad": lambda x: funcoll.gather(x, 0, strategy="pad"),
+    "all_reduce": lambda x: funcoll.all_reduce(x),
+}
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +305,33 @@ def test_ops_on_a_result_keep_views_pending_and_read_the_values(
         torch.testing.assert_close(ops["sum"], full.sum(0))
         torch.testing.assert_close(ops["cat"], torch.cat([full[-2:], _x(rank, 1), full[:2]]))
         torch.testing.assert_close(ops["mul"], full.reshape(-1) * 2)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_input_written_in_flight_raises_at_the_read(
+    results: dict[int, list[dict[str, Any]]], world: int
+) -> None:
+    """Writing an op's input before its result is read raises there (the data sent may hold the new
+    values, silently, as with torch's own functional collectives); read first, the values are the
+    single-process reference's; all_reduce's copy makes the write safe."""
+    xs = _even(world)
+    want = {
+        "all_gather": lambda r: torch.cat(xs),
+        "all_to_all": lambda r: _a2a_ref(xs, r),
+        "reduce_scatter": lambda r: _reduce_scatter_ref(xs, r),
+        "gather pad": lambda r: torch.cat(xs),
+        "all_reduce": lambda r: sum(xs),
+    }
+    for rank, got in enumerate(results[world]):
+        for name, ref in want.items():
+            kind, value = got["written"][name]
+            if name == "all_reduce":
+                assert kind == "read", f"rank {rank} {name}: {value}"
+                torch.testing.assert_close(value, ref(rank))
+            else:
+                assert kind == "raised", f"rank {rank} {name}: read {value}"
+                op = "gather" if name == "gather pad" else name
+                assert value.startswith(f"funcoll.{op}: its input was written in place while its "), value
+            kind, value = got["written"][f"{name}, read first"]
+            assert kind == "read", f"rank {rank} {name}, read first: {value}"
+            torch.testing.assert_close(value, ref(rank))

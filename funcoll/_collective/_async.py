@@ -47,13 +47,26 @@ _view = torch.ops.aten.view.default
 class _Ticket:
     """One issued collective: its output, whether it was waited, and what to name if it failed."""
 
-    __slots__ = ("__weakref__", "collective", "done", "group_name", "op", "output", "result", "sent", "step")
+    __slots__ = (
+        "__weakref__", "collective", "done", "group_name", "op", "output", "payload", "result", "sent", "step",
+        "version",
+    )  # fmt: skip
 
     def __init__(
-        self, output: Tensor, op: str, collective: str, group_name: str, step: str, sent: Any = None
+        self,
+        output: Tensor,
+        op: str,
+        collective: str,
+        group_name: str,
+        step: str,
+        sent: Any = None,
+        payload: Tensor | None = None,
     ) -> None:
         self.output, self.done, self.sent, self.result = output, False, sent, None
         self.op, self.collective, self.group_name, self.step = op, collective, group_name, step
+        # What the collective reads, and its version counter (shared with every view of its
+        # memory) at the issue: `_written_in_flight` compares it at the wait.
+        self.payload, self.version = payload, payload._version if payload is not None else 0
 
     def wait(self) -> None:
         if self.done:
@@ -64,6 +77,10 @@ class _Ticket:
                 _wait_tensor(self.output)
         except RuntimeError as e:
             raise _faults.failed(self.collective, self.group_name, self.step, e, op=self.op) from e
+        payload, self.payload = self.payload, None
+        if payload is not None and payload._version != self.version:
+            self.output = self.sent = self.result = None  # type: ignore[assignment]
+            _written_in_flight(self.op, self.collective, self.version, payload._version)
         if self.sent is not None:  # a fingerprinted collective: checked (ValueError) before any read
             sent, result, self.sent, self.result = self.sent, self.result, None, None
             with torch._C._AutoDispatchBelowAutograd():
@@ -79,6 +96,22 @@ class _Ticket:
             self.wait()
         except (RuntimeError, ValueError) as e:
             warnings.warn(f"{e} (its result was never read)", RuntimeWarning, stacklevel=1)
+
+
+def _written_in_flight(op: str, collective: str, before: int, after: int) -> None:
+    """The tensor a collective read was written in place between its issue and its wait.
+
+    The backend reads it while the collective is in flight (a gloo worker thread, an
+    NCCL stream), so the data this rank sent may hold the values written: a silently
+    wrong result on every rank that received it. An SPMD program writes on every rank,
+    so every rank raises here, at its read of the result. (torch's functional
+    collectives send whatever the memory holds when the backend reads it.)
+    """
+    raise ValueError(
+        f"{op}: its input was written in place while its {collective} was in flight (the tensor's version "
+        f"went from {before} to {after}), so what this rank sent may hold the written values; read the "
+        f"result (or funcoll.wait(result)) before writing to the input, or pass a copy (x.clone())"
+    )
 
 
 class Pending(AsyncCollectiveTensor):
@@ -271,7 +304,13 @@ def defers(output: Tensor, group_name: str) -> Literal["defer", "serial"] | None
 
 
 def defer(
-    output: Tensor, collective: str, group_name: str, step: str, serial: bool = False, sent: Any = None
+    output: Tensor,
+    collective: str,
+    group_name: str,
+    step: str,
+    serial: bool = False,
+    sent: Any = None,
+    payload: Tensor | None = None,
 ) -> Tensor:
     """`output` of a collective just issued, as a :class:`Pending` that waits at first use.
 
@@ -279,9 +318,10 @@ def defer(
     backward of one) is still running. `serial`: also waited before funcoll's
     next eager collective (:func:`drain`). `sent`: the collective carries a
     fingerprint (:class:`funcoll._collective._fingerprint.Sent`): the result is its
-    placeholder, checked and filled by the wait.
+    placeholder, checked and filled by the wait. `payload`: the tensor the collective
+    reads, which must not be written until the wait (a ``ValueError`` there if it was).
     """
-    ticket = _Ticket(output, _faults.current_op(), collective, group_name, step, sent)
+    ticket = _Ticket(output, _faults.current_op(), collective, group_name, step, sent, payload)
     _live.add(ticket)
     if serial:
         _serial.add(ticket)

@@ -22,6 +22,7 @@ from ._phase import in_phase
 __all__ = ["ALIAS_WAIT", "gather_rows", "run"]
 
 _F = torch.ops._c10d_functional
+_COPIED = frozenset({"all_reduce", "broadcast"})  # collectives whose functional op copies `x` at the issue
 
 # Dynamo 2.11 on the "eager" backend (dynamo alone, no AOT autograd) drops the gradient
 # of an autograd.Function whose forward returns ``wait_tensor``'s result itself: the
@@ -89,7 +90,11 @@ def run(
                 return out if sent is None else sent.complete(out)
     except RuntimeError as e:
         raise _faults.failed(collective, group_name, step, e) from e
-    return _async.defer(out, collective, group_name, step, serial=how == "serial", sent=sent)
+    # What the backend reads while the collective is in flight, checked at the wait for writes
+    # (`_async._written_in_flight`): `x`, except where the functional op copies it as it is
+    # issued (all_reduce and broadcast reduce or fill a copy in place).
+    payload = None if collective in _COPIED else x
+    return _async.defer(out, collective, group_name, step, serial=how == "serial", sent=sent, payload=payload)
 
 
 def gather_rows(rows: Tensor, group_name: str, world: int, step: str) -> Tensor:
