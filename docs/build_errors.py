@@ -42,7 +42,7 @@ EXPANDED: dict[str, tuple[str, ...]] = {
     "disagree": ("what",),  # _header: f"{opname}: ranks disagree on {what} ({detail})"
     "same_tails": ("message",),  # _header: f"{opname}: {message.format(...)}"
     "check_equal": ("traced", "eager"),  # _checks: torch._check(..., lambda: traced) / ValueError(eager())
-    "same_sizes": ("traced",),  # _checks: torch._check(..., lambda: traced); the caller raises its own eagerly
+    "same_sizes": ("traced",),  # moe/_layout: torch._check(..., lambda: traced); the caller raises its own eagerly
 }
 # Functions that return an exception for their caller to raise; their own messages are read where
 # they build it, so `raise ax.refuse(...)`, `raise _faults.failed(...)` and gather's

@@ -6,11 +6,10 @@ backticks, then shows the bad value and what was expected.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 IntLike = int | torch.SymInt
 
@@ -151,26 +150,6 @@ def check_equal(a: IntLike, b: IntLike, traced: str, eager: Callable[[], str]) -
         torch._check(a == b, lambda traced=traced: traced)
     elif a != b:
         raise ValueError(eager())
-
-
-def same_sizes(a: Sequence[IntLike], b: Sequence[IntLike], traced: str) -> bool:
-    """Whether two shapes are equal: False only where they are known to differ.
-
-    Ints and the sizes dynamo can read (static, or dynamic with a hint) are compared
-    now, so that the caller raises its own error. Sizes it cannot read (unbacked:
-    ``mark_ragged`` inputs, exchanged lengths) count as equal here, and the graph
-    asserts their equality at run time, saying `traced` (constants only, as for
-    :func:`check_equal`): comparing them with ``!=`` would fail the trace with
-    dynamo's data-dependent guard error instead.
-    """
-    if len(a) != len(b):
-        return False
-    if any(guard_or_false(p != q) for p, q in zip(a, b, strict=True)):
-        return False
-    if torch.compiler.is_compiling() or any(isinstance(n, torch.SymInt) for n in (*a, *b)):
-        for p, q in zip(a, b, strict=True):
-            torch._check(p == q, lambda traced=traced: traced)
-    return True
 
 
 def check_total(opname: str, arg: str, sizes: list[IntLike], total: IntLike, what: str) -> None:

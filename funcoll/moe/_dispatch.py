@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base._checks import IntLike, same_sizes
+from .._base._checks import IntLike
 from .._base._config import checks_enabled
 from .._base._group import Group, GroupLike, resolve_group
 from .._base._quant import Wire
@@ -39,6 +39,7 @@ from ._layout import (
     inverse,
     is_int,
     rank_in_dest,
+    same_sizes,
 )
 
 MODES = ("exact", "static", "dropless")

@@ -7,12 +7,37 @@ sizes of exact mode's exchange; with the small predicates the modes share.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from .._base._checks import IntLike
 
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def same_sizes(a: Sequence[IntLike], b: Sequence[IntLike], traced: str) -> bool:
+    """Whether two shapes are equal: False only where they are known to differ.
+
+    Ints and the sizes dynamo can read (static, or dynamic with a hint) are compared
+    now, so that the caller raises its own error. Sizes it cannot read (unbacked:
+    ``mark_ragged`` inputs, exchanged lengths) count as equal here, and the graph
+    asserts their equality at run time, saying `traced` (constants only, as for
+    :func:`funcoll._base._checks.check_equal`): comparing them with ``!=`` would fail the trace with
+    dynamo's data-dependent guard error instead.
+    """
+    if len(a) != len(b):
+        return False
+    if any(guard_or_false(p != q) for p, q in zip(a, b, strict=True)):
+        return False
+    if torch.compiler.is_compiling() or any(isinstance(n, torch.SymInt) for n in (*a, *b)):
+        for p, q in zip(a, b, strict=True):
+            torch._check(p == q, lambda traced=traced: traced)
+    return True
 
 
 def drops(capacity: int, n_pairs: int | torch.SymInt, dropless: bool) -> bool:
