@@ -88,10 +88,12 @@ from torch.testing import FileCheck
 from funcoll.testing import Collective, code_collectives, collective_mismatch
 
 # world -> (the `dynamic` settings compiled, whether explain runs). One world, for the
-# suite's time: an odd world size compiles in the ragged gathers at 3 ranks on inductor
-# below, in test_recompiles (every ragged op at 3 ranks) and test_training (a
-# sequence-parallel loop on 3 ranks); every op's values at 1 to 4 ranks are the eager
-# tests' (tests/test_properties.py).
+# suite's time: an odd world size compiles in test_rank_shapes (the ops whose ranks hold
+# different shapes at 3 ranks on aot_eager, the ragged ones on inductor too, where the
+# "shift" gather's two all_to_all_singles must keep their order on every rank: two steps,
+# values against the reference), in test_recompiles (every ragged op at 3 ranks) and
+# test_training (a sequence-parallel loop on 3 ranks); every op's values at 1 to 4 ranks
+# are the eager tests' (tests/test_properties.py).
 GRID: dict[int, tuple[tuple[bool | None, ...], bool]] = {
     2: ((None, True), True),
 }
@@ -121,20 +123,6 @@ def _aot_dynamics(world: int, case: OpCase) -> tuple[bool | None, ...]:
 def _inductor_dynamics(case: OpCase) -> tuple[bool | None, ...]:
     """dynamic=True on inductor for the ops that exchange sizes only: the suite's time."""
     return INDUCTOR_DYNAMICS if case.exchanges_sizes else (None,)
-
-
-# At 3 ranks the "shift" ragged all-gather issues two all_to_all_singles (one per
-# shift), whose order inductor must keep on every rank: the ragged gathers also run there.
-INDUCTOR_WORLD3_CASES: tuple[str, ...] = (
-    ()
-    if SMOKE
-    else (
-        "gather-auto-ragged-x_nx5-dim0",
-        "gather-shift-ragged-x_nx5-dim0",
-        "all_gather_ragged-ragged-x3x_n-dim1",
-        "reduce_scatter-ragged-sizes-dim0",
-    )
-)
 
 
 def _compile_and_run(
@@ -466,12 +454,6 @@ def test_eager_backend_matches_eager_and_reference(case: OpCase) -> None:
         batch = tuple(c.id for c in _cases_for(2) if c.at_scale and c.id not in KNOWN_BUGS)
         results = _results(2, batch, "eager", (None,), False)
     _check_case(results, case, 2, ("compiled", None))
-
-
-@pytest.mark.parametrize("case", [CASES_BY_ID[c] for c in INDUCTOR_WORLD3_CASES], ids=lambda c: f"w3-{c.id}")
-def test_inductor_at_3_ranks_matches_eager_and_reference(case: OpCase) -> None:
-    results = _results(3, INDUCTOR_WORLD3_CASES, "inductor", (None,), False, timeout=600)
-    _check_case(results, case, 3, ("compiled", None))
 
 
 # A collective called in inductor's code: ``torch.ops._c10d_functional.<op>.default(``.

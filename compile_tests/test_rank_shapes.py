@@ -26,7 +26,8 @@ the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgra
 on inductor at 2 ranks, not the cases of ``FULLGRAPH_INDUCTOR``, whose generated code
 test_fullgraph compares across ranks, nor those that run with the overlap passes there:
 the passes reorder what plain inductor lowered, so a lowering that breaks the pairing
-breaks it under them too; on aot_eager at 2 ranks none: test_fullgraph
+breaks it under them too, nor the ``compat`` functions that return their op's result
+reshaped or listed (their ops compile here or there); on aot_eager at 2 ranks none: test_fullgraph
 compiles every case there over the same two steps and compares the ranks' graphs),
 run for two steps of which only the last rank's shape changes
 (``_ops.last_rank_shifted``; on aot_eager every case, on inductor the
@@ -250,20 +251,33 @@ def _overlap_case(cid: str, differ: list[str]) -> bool:
     return cid in differ and not cid.startswith("compat.") and "-wire-" not in cid
 
 
+def _thin_compat(cid: str) -> bool:
+    """A ``compat`` function that returns what its funcoll op returns (reshaped or listed).
+
+    Inductor lowers the op's graph, which the op's own case compiles on inductor: these
+    run on aot_eager (test_fullgraph) and not on inductor (suite time). The
+    ``all_gather_into_tensor`` ones write into an ``out=`` buffer, which inductor
+    lowers its own way: they compile here.
+    """
+    return cid.startswith("compat.") and not cid.startswith("compat.all_gather_into_tensor")
+
+
 def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
     # every rank. aot_eager: these at 3 ranks (at 2 every op compiles in test_fullgraph, over
     # the same two steps, its ranks' graphs compared: suite time). Inductor: every op at 2
-    # ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR) and those
-    # with the overlap passes; at 3 the ops whose backward builds its send buffers, where a
-    # third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's overlap passes: these
+    # ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR), those
+    # with the overlap passes and the thin compat functions (_thin_compat); at 3 the ops
+    # whose backward builds its send buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's overlap passes: these
     # at 2 ranks (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
     keys = [f"aot_eager|{cid}" for cid in differ if world > 2 and cid not in ELSEWHERE]
     overlap = [cid for cid in ops if world == 2 and _overlap_case(cid, differ)]
     inductor = (
-        [c for c in ops if c not in FULLGRAPH_INDUCTOR and c not in overlap] if world == 2 else INDUCTOR_CASES
+        [c for c in ops if c not in FULLGRAPH_INDUCTOR and c not in overlap and not _thin_compat(c)]
+        if world == 2
+        else INDUCTOR_CASES
     )
     keys += [f"inductor|{cid}" for cid in inductor if cid not in ELSEWHERE]
     keys += [f"inductor-overlap|{cid}" for cid in overlap]
