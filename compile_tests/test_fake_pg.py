@@ -14,11 +14,12 @@ all_gather's output holds W blocks. Each traced rank of each world size runs in 
 subprocess of its own, all at once (``run_ranks`` with one child per traced rank,
 ``CHILDREN``, each of which then replaces its group by a fake one of W ranks).
 
-Every op is traced forward and backward at 64 or 1024 ranks (the 2 to 4 of the
-other tests are real ranks). At 1024 ranks, every case that exchanges no sizes: the
-even ops, the padded ones, and the ragged ops given their sizes (1024 unbacked
-symbols), but for all_to_all with uneven heads (1024 received pieces, each of its
-own width); the others at 64 ranks. An op that exchanges sizes traces
+Every op is traced forward and backward at 64, 256 or 1024 ranks (the 2 to 4 of
+the other tests are real ranks). At 1024 ranks, every case that exchanges no sizes
+and takes no per-rank list: the even ops and the padded ones; at 256 the ops given
+a size or a pair per rank (ppermute's pairs, the ragged ops given their sizes: 256
+unbacked symbols); at 64 the others, all_to_all with uneven heads among them (W
+received pieces, each of its own width). An op that exchanges sizes traces
 1024 unbacked sizes, and the partitioner re-evaluates their sums for every node:
 30 to 90 seconds an op at 1024, a tenth of that at 256. Their graphs' structure does
 not change past 64 ranks but for the ragged gather's "auto", which is one
@@ -66,10 +67,18 @@ _AUTO = "gather-auto-ragged-x_nx5-dim0"
 # The uneven heads split what arrives into 1024 pieces of different widths.
 _HEADS = "all_to_all-x2x2w+1xH_rx3-uneven-heads-scatter1-gather2"
 _AT_1024 = tuple(c for c in _ALL if not CASES_BY_ID[c].exchanges_sizes and c != _HEADS)
+# The ops given per-rank sizes or pairs (a list of W entries, each its own symbol or
+# constant) trace at 256: at 1024 they took 5 to 10 s each (suite time).
+_PER_RANK = (
+    "ppermute-ring-x3x5",
+    "all_to_all_v-recv-given-x_nx5",
+    "reduce_scatter-ragged-sizes-dim0",
+    "scatter-given-x3x_n-dim-1",
+)
 PLAN: dict[int, dict[str, bool]] = {
-    64: {c: True for c in _ALL if c not in _AT_1024},  # the rest trace at 1024
-    256: {_AUTO: True},  # past 64 ranks, "auto" pads
-    1024: dict.fromkeys(_AT_1024, True),
+    64: {c: True for c in _ALL if c not in _AT_1024},  # the rest trace at 256 and 1024
+    256: {_AUTO: True, **dict.fromkeys(_PER_RANK, True)},  # past 64 ranks, "auto" pads
+    1024: {c: True for c in _AT_1024 if c not in _PER_RANK},
 }
 
 

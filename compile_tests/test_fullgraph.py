@@ -2,7 +2,8 @@
 
 For each case of ``_ops.CASES`` on 2 real gloo ranks, every rank runs the op eagerly
 and under ``torch.compile(fullgraph=True, backend="aot_eager")`` with ``dynamic``
-None (and True for the cases of :func:`_every_way`), then the backward of a seeded
+None (and True for the cases of :func:`_every_way`, but the ops that exchange sizes,
+which inductor compiles with True), then the backward of a seeded
 loss. The compiled outputs and input gradients must equal the eager ones and the
 single-process reference. ``dynamic=False`` is not run: on a first call it traces
 what ``None`` traces (static sizes, ``mark_dynamic``/``mark_unbacked`` honoured by
@@ -105,7 +106,7 @@ INDUCTOR_DYNAMICS: tuple[bool | None, ...] = (None,) if SMOKE else (None, True)
 
 
 def _every_way(case: OpCase) -> bool:
-    """Whether `case` also compiles with ``dynamic=True`` on aot_eager, and on inductor.
+    """Whether `case` also compiles with ``dynamic=True`` (:func:`_aot_dynamics`), and on inductor.
 
     The ``at_scale`` cases (one or two per op and argument set) and those with a
     non-contiguous input (its strides reach the collective's layout): the suite's
@@ -116,8 +117,16 @@ def _every_way(case: OpCase) -> bool:
 
 
 def _aot_dynamics(world: int, case: OpCase) -> tuple[bool | None, ...]:
+    """``dynamic=None``; and ``True`` for the cases of :func:`_every_way` that inductor does not run so.
+
+    An op that exchanges sizes compiles with ``dynamic=True`` on inductor
+    (:func:`_inductor_dynamics`), whose AOT graphs are aot_eager's, lowered: the same
+    values checked once there (suite time).
+    """
     dynamics = GRID[world][0]
-    return dynamics if _every_way(case) else tuple(d for d in dynamics if d is None)
+    if not _every_way(case) or (case.exchanges_sizes and True in _inductor_dynamics(case)):
+        return tuple(d for d in dynamics if d is None)
+    return dynamics
 
 
 def _inductor_dynamics(case: OpCase) -> tuple[bool | None, ...]:

@@ -21,7 +21,8 @@ compute), which move collectives and waits per graph.
 
 The cases: every public op of ``_ops.CASES`` (their ragged inputs give one rank
 0 rows at every world size, ``_ops.ragged_sizes``; at 3 ranks on aot_eager, and at
-2 under inductor's overlap passes, the cases whose ranks hold different shapes; not
+2 under inductor's overlap passes, the cases whose ranks hold different shapes, but
+the ``compat`` functions and the wire formats, which issue their exact op's collectives; not
 the even ops of ``ELSEWHERE``, one graph on every rank, compiled in test_fullgraph;
 on inductor at 2 ranks, not the cases of ``FULLGRAPH_INDUCTOR``, whose generated code
 test_fullgraph compares across ranks, nor those that run with the overlap passes there:
@@ -265,14 +266,16 @@ def _thin_compat(cid: str) -> bool:
 def _keys(world: int) -> list[str]:
     ops = [c.id for c in CASES if c.min_world <= world and c.spec_name != "axis_index"]
     # The ops whose ranks hold different shapes; the others compile one graph, the same on
-    # every rank. aot_eager: these at 3 ranks (at 2 every op compiles in test_fullgraph, over
-    # the same two steps, its ranks' graphs compared: suite time). Inductor: every op at 2
-    # ranks (one of them with 0 rows) but test_fullgraph's (FULLGRAPH_INDUCTOR), those
-    # with the overlap passes and the thin compat functions (_thin_compat); at 3 the ops
-    # whose backward builds its send buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's overlap passes: these
-    # at 2 ranks (_overlap_case). The MoE and pair steps: STEP_COMPILERS.
+    # every rank. aot_eager: these at 3 ranks but the compat and wire cases (_overlap_case;
+    # at 2 every op compiles in test_fullgraph, over the same two steps, its ranks' graphs
+    # compared: suite time). Inductor: every op at 2 ranks (one of them with 0 rows) but
+    # test_fullgraph's (FULLGRAPH_INDUCTOR), those with the overlap passes and the thin
+    # compat functions (_thin_compat); at 3 the ops whose backward builds its send
+    # buffers, where a third rank adds a nonzero length. Neither: ELSEWHERE. Inductor's
+    # overlap passes: these at 2 ranks (_overlap_case). The MoE and pair steps:
+    # STEP_COMPILERS.
     differ = [cid for cid in ops if _shapes_differ(CASES_BY_ID[cid], world)]
-    keys = [f"aot_eager|{cid}" for cid in differ if world > 2 and cid not in ELSEWHERE]
+    keys = [f"aot_eager|{cid}" for cid in differ if world > 2 and _overlap_case(cid, differ)]
     overlap = [cid for cid in ops if world == 2 and _overlap_case(cid, differ)]
     inductor = (
         [c for c in ops if c not in FULLGRAPH_INDUCTOR and c not in overlap and not _thin_compat(c)]
