@@ -1,7 +1,7 @@
 """What a compiled step's first call costs with funcoll's ops, beside the same step on funcol's even ops.
 
 Run: ``python benchmarks/bench_compile.py [--worlds 2 4] [--backends aot_eager inductor] [--rounds 2]
-[--json out.json]``
+[--warm] [--json out.json]``
 
 A training step's first compiled call traces it (dynamo), builds its joint graph and
 partitions it (AOT autograd) and, on inductor, generates and compiles code; on a
@@ -22,6 +22,12 @@ caches off), with the methods interleaved over rounds:
   and the length exchange, so compare it with ``funcoll even`` for what
   raggedness costs the compiler.
 - ``... eager``: the first eager call of the funcol and funcoll steps, for scale.
+
+With ``--warm`` inductor's caches stay on (the FX graph cache and AOT autograd's,
+on disk, as a job has them by default) and the untimed round fills them: each timed
+first call is then what a restarted job pays for a step it compiled before. A graph
+that a cache refuses ("bypass", counted per method in ``torch._dynamo.utils.counters``
+and reported) compiles in full again.
 
 Reported per method: the first call's wall time (the slowest rank's), the steady
 step's time after it (median of 3 calls), and the first call's time over the
@@ -129,12 +135,16 @@ def _first_call(step: Callable[..., torch.Tensor], x: torch.Tensor, ragged: bool
     return first, statistics.median(steady)
 
 
-def _bench(rank: int, world: int, backends: list[str], forms: list[str], rounds: int) -> list[dict]:
+def _bench(
+    rank: int, world: int, backends: list[str], forms: list[str], rounds: int, warm: bool = False
+) -> list[dict]:
     import torch._inductor.config as inductor_config
-    from torch._dynamo.utils import compilation_time_metrics
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # what the next line asks for
-    inductor_config.force_disable_caches = True  # every first call compiles cold: no FX graph / AOT cache
+    if not warm:
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # what the next line asks for
+        inductor_config.force_disable_caches = True  # every first call compiles cold: no FX graph / AOT cache
+    caches: dict[tuple[str, str, str], dict[str, int]] = {}
     steps = {form: _steps(rank, world, form) for form in forms}
     modes = ["eager", *backends]
     times: dict[tuple[str, str, str], list[tuple[float, float, dict[str, float]]]] = {}
@@ -146,11 +156,20 @@ def _bench(rank: int, world: int, backends: list[str], forms: list[str], rounds:
                     continue  # its first eager call is funcoll even's, plus the length exchange
                 torch._dynamo.reset()
                 compilation_time_metrics.clear()
+                counters.clear()
                 step = fn if mode == "eager" else torch.compile(fn, backend=mode, fullgraph=True)
                 first, steady = _first_call(step, x, ragged)
                 phases = {k: sum(compilation_time_metrics.get(v, [])) for k, v in PHASES.items()}
                 if round_ == 0:
                     continue
+                caches[(form, mode, name)] = {
+                    f"{what}_{how}": n
+                    for what, key in (("aot", "aot_autograd"), ("fx", "inductor"))
+                    for name_, n in counters[key].items()
+                    for how in ("hit", "miss", "bypass")
+                    if name_.endswith(f"cache_{how}")
+                    and name_.startswith(("autograd_cache", "fxgraph_cache"))
+                }
                 times.setdefault((form, mode, name), []).append((first, steady, phases))
     records = []
     for (form, mode, name), runs in times.items():
@@ -161,6 +180,7 @@ def _bench(rank: int, world: int, backends: list[str], forms: list[str], rounds:
             "steady_ms": 1e3 * statistics.median(r[1] for r in runs),
             "ratio": statistics.median(r[0] / b[0] for r, b in zip(runs, base, strict=True)),
             "phases_s": {k: statistics.median(r[2][k] for r in runs) for k in PHASES},
+            "caches": caches.get((form, mode, name), {}),
         })  # fmt: skip
     return records
 
@@ -172,30 +192,36 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", default=["bare", "mlp"], choices=["bare", "mlp"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="", help="write every record to this file")
+    parser.add_argument(
+        "--warm", action="store_true", help="inductor's caches on, filled by the untimed round"
+    )
     add_link_argument(parser)
     args = parser.parse_args()
     print(on_link(args.link))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks share the cores; no worker pool
     records = []
     for world in args.worlds:
-        per_rank = run_ranks(_bench, world, args.backends, args.forms, args.rounds, timeout=3600)
+        per_rank = run_ranks(_bench, world, args.backends, args.forms, args.rounds, args.warm, timeout=3600)
         # The slowest rank's first call is the step's: the collectives wait for it.
         for r0 in per_rank[0]:
             key = (r0["form"], r0["mode"], r0["method"])
             same = [r for rank in per_rank for r in rank if (r["form"], r["mode"], r["method"]) == key]
             slowest = max(same, key=lambda r: r["first_s"])
             records.append({**slowest, "ratio": max(r["ratio"] for r in same)})
-    print(f"torch {torch.__version__}, gloo on CPU, {T} x {D} float32 rows a rank, cold compiles, "
+    print(f"torch {torch.__version__}, gloo on CPU, {T} x {D} float32 rows a rank, "
+          f"{'warm caches' if args.warm else 'cold compiles'}, "
           f"medians of {args.rounds} interleaved rounds, slowest rank")  # fmt: skip
     print(
-        "| world | step | mode | method | first call s | x funcol | steady ms | dynamo trace s | inductor s |"
+        "| world | step | mode | method | first call s | x funcol | steady ms | dynamo trace s | inductor s "
+        "| caches (rank 0's last round) |"
     )
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in records:
         p = r["phases_s"]
         trace = p["total"] - p["backend"]  # dynamo's compile less the backend's (AOT autograd, inductor)
         print(f"| {r['world']} | {r['form']} | {r['mode']} | {r['method']} | {r['first_s']:.2f} | {r['ratio']:.2f} "
-              f"| {r['steady_ms']:.1f} | {trace:.2f} | {p['inductor']:.2f} |")  # fmt: skip
+              f"| {r['steady_ms']:.1f} | {trace:.2f} | {p['inductor']:.2f} "
+              f"| {' '.join(f'{k} {v}' for k, v in sorted(r['caches'].items()))} |")  # fmt: skip
     dump_records(args.json, records)
 
 
