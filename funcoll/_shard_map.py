@@ -234,9 +234,12 @@ class _ScaleGrad(Primitive):
     """Identity forward; the gradient times `scale` (an output's cotangent over its replicas)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
+    def forward(x: Tensor, scale: float) -> Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, ctx.scale = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

@@ -234,8 +234,12 @@ class _Arrived(Primitive):
     """A pending result's values, waited for, as a plain tensor on the same autograd path (no copy)."""
 
     @staticmethod
-    def forward(ctx: Any, t: AsyncCollectiveTensor) -> Tensor:
+    def forward(t: AsyncCollectiveTensor) -> Tensor:
         return t.wait()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        return None  # the backward is the identity: it keeps nothing
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
