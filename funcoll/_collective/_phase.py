@@ -130,20 +130,14 @@ class Primitive(torch.autograd.Function):
     Every autograd.Function in funcoll subclasses it (``tests/test_layers.py``
     checks): its ``backward`` is wrapped once, when the class is defined.
 
-    A subclass has torch's two-part form, a ``forward`` without ctx and a
+    Each has torch's two-part form, a ``forward`` without ctx and a
     ``setup_context(ctx, inputs, output)``: torch's function transforms
     (``torch.func.grad``, ``vjp``, ``grad_and_value``) refuse an autograd.Function
-    whose forward takes the ctx. A class that defines a ``forward`` without a
-    ``setup_context`` is refused here, when it is defined.
+    whose forward takes the ctx (``tests/test_layers.py`` checks this too).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "forward" in cls.__dict__ and "setup_context" not in cls.__dict__:
-            raise TypeError(
-                f"{cls.__qualname__}: a funcoll Primitive defines setup_context(ctx, inputs, output) beside a "
-                f"forward without ctx (torch.func's transforms refuse the forward(ctx, ...) form)"
-            )
         backward = cls.__dict__.get("backward")
         if isinstance(backward, staticmethod):
             cls.backward = staticmethod(_in_backward(backward.__func__))  # type: ignore[method-assign]
