@@ -190,8 +190,8 @@ class WeightedSum(Primitive):
         ctx.mark_non_differentiable(bags, offset2bag)
         if not torch.compiler.is_compiling():
             # Their gradients (always zero) stay None, not zeros of their shape made for a
-            # backward that ignores them. (Dynamo does not trace this call; a compiled
-            # backward drops the unread zeros.)
+            # backward that ignores them. (Dynamo refuses this call; a compiled backward
+            # has no input for an output that needs no gradient.)
             ctx.set_materialize_grads(False)
         # The weights' gradient skips the entries equal to `skip` (their weights are a
         # `where`'s zeros, whose gradient is zero): no dot product for a dropped pair.
