@@ -338,7 +338,8 @@ def test_shard_map_typed_refuses_transforms(case: MapCase) -> None:
             where = f"typed shard_map {case.id} world {world} rank {r}"
             error = ranks["typed"][case.id]["grad"].get("error", "")
             assert TYPED_REFUSAL.format(op=op) in error, f"{where}: {error or 'no error'}"
-            # torch.autograd.grad keeps the types: JAX's typed transposes (psum's is pvary, no sum)
+            # torch.autograd.grad keeps the types, and JAX's typed transposes: the weights, made by a
+            # factory inside f, are invariant, so psum's gradient is pvary's (no sum): the rank's own w
             got = _ok(ranks["typed"][case.id]["autograd"], f"{where} torch.autograd.grad")
             expected = grads[r] if case.id != "psum" else weight(case.id, r, world, grads[r].shape)
             torch.testing.assert_close(got["grad"], expected, msg=lambda m, w=where: f"{w}: {m}")
