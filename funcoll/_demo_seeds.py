@@ -150,11 +150,15 @@ class _SeqToHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, input_: Tensor, sizes: list[int], process_group: Any, heads: int) -> Tensor:
+    def forward(input_: Tensor, sizes: list[int], process_group: Any, heads: int) -> Tensor:
+        return _seq_to_heads(input_, sizes, heads, process_group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, sizes, process_group, heads = inputs
         ctx.process_group = process_group
         ctx.heads = heads
         ctx.sizes = sizes
-        return _seq_to_heads(input_, sizes, heads, process_group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
@@ -173,11 +177,15 @@ class _HeadsToSeq(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, input_: Tensor, sizes: list[int], process_group: Any, heads: int) -> Tensor:
+    def forward(input_: Tensor, sizes: list[int], process_group: Any, heads: int) -> Tensor:
+        return _heads_to_seq(input_, sizes, heads, process_group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, sizes, process_group, heads = inputs
         ctx.process_group = process_group
         ctx.heads = heads
         ctx.sizes = sizes
-        return _heads_to_seq(input_, sizes, heads, process_group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
@@ -190,20 +198,25 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
 
     Args:
         input_: (n_r, ...) this rank's rows
+        sizes: every rank's length (:func:`gather_forward_split_backward` exchanges them first)
         process_group: communication group
     """
 
     @staticmethod
-    def forward(ctx: Any, input_: Tensor, process_group: Any) -> Tensor:
-        ctx.mode = process_group
-        ctx.sizes = _gather_sizes(input_.shape[0], input_.device, process_group)
-        return _pad_gather(input_, ctx.sizes, process_group)
+    def forward(input_: Tensor, sizes: list[int], process_group: Any) -> Tensor:
+        return _pad_gather(input_, sizes, process_group)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, sizes, process_group = inputs
+        ctx.mode = process_group
+        ctx.sizes = sizes
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
         rank = dist.get_rank(ctx.mode)
         start = sum(ctx.sizes[:rank])
-        return grad_output[start : start + ctx.sizes[rank]].contiguous(), None
+        return grad_output[start : start + ctx.sizes[rank]].contiguous(), None, None
 
 
 def exchange_sizes(input_: Tensor, process_group: Any) -> list[int]:
@@ -223,4 +236,7 @@ def heads_to_seq(input_: Tensor, sizes: list[int], process_group: Any, heads: in
 
 def gather_forward_split_backward(input_: Tensor, process_group: Any) -> Tensor:
     """The ragged gather of a loss's per-token terms (every rank then computes the same loss)."""
-    return _GatherForwardSplitBackward.apply(input_, process_group)
+    # The sizes are exchanged here, just before the gather, as the seeds' forward does first
+    # thing: a forward of torch's setup_context form has no ctx to keep them on.
+    sizes = _gather_sizes(input_.shape[0], input_.device, process_group)
+    return _GatherForwardSplitBackward.apply(input_, sizes, process_group)

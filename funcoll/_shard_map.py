@@ -234,9 +234,12 @@ class _ScaleGrad(Primitive):
     """Identity forward; the gradient times `scale` (an output's cotangent over its replicas)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
+    def forward(x: Tensor, scale: float) -> Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, ctx.scale = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -538,6 +541,15 @@ def _run(
     typed: bool,
 ) -> Any:
     """One call of a shard_map: the inputs' local shards, `f` with `bound` bound, the outputs wrapped."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        # DTensor's from_local and to_local are autograd.Functions of the forward(ctx, ...) form, which
+        # torch's transforms refuse (on every torch funcoll supports): say where to take the transform.
+        raise NotImplementedError(
+            f"{opname}: torch.func's transforms (grad, vjp, grad_and_value, vmap) do not run over shard_map: "
+            f"its inputs and outputs pass through DTensor's from_local and to_local, which torch's transforms "
+            f"refuse; take the transform inside f, on the local values (shard_map(..., check_vma=False)), or "
+            f"use torch.autograd.grad"
+        )
     specs = in_specs if isinstance(in_specs, P) else tuple(in_specs)
     if not isinstance(specs, P) and len(specs) != len(args):
         raise ValueError(f"{opname}: `in_specs` has {len(specs)} specs for {len(args)} arguments")

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._base._group import Group, resolve_group
 from ._collective import _prims
-from ._collective._typed import CAST, plain, typed, vma_of
+from ._collective._typed import CAST, no_transforms, plain, typed, vma_of
 from ._shard_map import TYPED, axis_names, current_mesh, resolve_axes
 
 __all__ = ["TYPED", "ManualType", "cast_missing", "pvary_to", "typed_leaf", "typed_mode", "typeof"]
@@ -136,6 +136,7 @@ def typed_leaf(
     """
     if not typed_mode():
         return one
+    no_transforms(opname)
     axes = frozenset(axis_names(opname, axis_name, current_mesh(opname, axis_name)))
     out_rule = RULES[rule]
 

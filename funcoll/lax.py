@@ -46,7 +46,7 @@ from ._base._checks import check_dim
 from ._base._dtensor import is_dtensor
 from ._base._group import resolve_group
 from ._base._sym import prod
-from ._collective._typed import Typed, plain, typed, vma_of
+from ._collective._typed import Typed, no_transforms, plain, typed, vma_of
 from ._ops import _even
 from ._shard_map import AxisName, axis_names, axis_sizes, current_mesh, mesh, resolve_axes
 from ._vma import TYPED, cast_missing, pvary_to, typed_leaf, typed_mode
@@ -528,6 +528,7 @@ def pcast(x: _T, axis_name: AxisName, *, to: str) -> _T:
         raise ValueError(f"{opname}: `to`={to!r} must be one of {_PCAST_TO} (JAX's values)")
     names = axis_names(opname, axis_name, current_mesh(opname, axis_name))
     if typed_mode():
+        no_transforms(opname)
         return _pcast_typed(opname, x, frozenset(names), to)
     if to == "unreduced":
         raise ValueError(
@@ -689,6 +690,7 @@ def ragged_all_to_all(
     opname = "funcoll.lax.ragged_all_to_all"
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     if typed_mode():  # the rows of every rank land here: varying over the axes, and over the inputs' axes
+        no_transforms(opname)
         axes = frozenset(axis_names(opname, axis_name, current_mesh(opname, axis_name)))
         have = frozenset().union(*(vma_of(a) for a in args))
         untyped = [plain(a) if isinstance(a, Typed) else a for a in args]

@@ -200,6 +200,29 @@ def test_every_autograd_function_is_a_primitive() -> None:
     assert plain == ["funcoll._collective._phase.Primitive"], plain
 
 
+def test_every_autograd_function_has_setup_context() -> None:
+    """Every autograd.Function in funcoll has torch's two-part form: a forward without ctx, and setup_context.
+
+    torch's function transforms (``torch.func.grad``, ``vjp``, ``grad_and_value``) refuse
+    one whose forward takes the ctx ("it must override the setup_context staticmethod"):
+    one such Function on an op's path and the transforms refuse the op
+    (tests/test_func_transforms.py).
+    """
+    classic = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+            forward = methods.get("forward")
+            if forward is None or "backward" not in methods:  # not an autograd.Function (a Module, say)
+                continue
+            takes_ctx = bool(forward.args.args) and forward.args.args[0].arg == "ctx"
+            if takes_ctx or "setup_context" not in methods:
+                classic.append(f"{_module(path)}.{node.name}")
+    assert not classic, classic
+
+
 # The folders, from the bottom (docs/contributing.md, "Layers"): a module imports its own
 # folder's modules and those of the folders below, never one above.
 FOLDERS = (

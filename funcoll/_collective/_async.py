@@ -374,8 +374,12 @@ class _Waited(Primitive):
     """A pending result's values as a plain tensor, with its autograd history: the identity."""
 
     @staticmethod
-    def forward(ctx: Any, t: AsyncCollectiveTensor) -> Tensor:
+    def forward(t: AsyncCollectiveTensor) -> Tensor:
         return t.trigger_wait().detach()  # a new tensor object on the same values: the output's own
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        return None  # the backward is the identity: it keeps nothing
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -129,6 +129,11 @@ class Primitive(torch.autograd.Function):
 
     Every autograd.Function in funcoll subclasses it (``tests/test_layers.py``
     checks): its ``backward`` is wrapped once, when the class is defined.
+
+    Each has torch's two-part form, a ``forward`` without ctx and a
+    ``setup_context(ctx, inputs, output)``: torch's function transforms
+    (``torch.func.grad``, ``vjp``, ``grad_and_value``) refuse an autograd.Function
+    whose forward takes the ctx (``tests/test_layers.py`` checks this too).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -31,6 +31,13 @@ dim to the front and back. The forward of each runs with grad disabled, so only
 funcoll's own backward is ever used, whatever autograd the installed torch
 registers on the ``_c10d_functional`` ops. Nothing here stores a ProcessGroup on
 a ctx: only the group's name, world size and rank, which are plain Python values.
+
+Each primitive has torch's two-part form, a ``forward`` without ctx and a
+``setup_context(ctx, inputs, output)`` that fills the ctx from the inputs (and
+names the running op for the backward's failures), which torch's function
+transforms (``torch.func.grad``, ``vjp``) require of an autograd.Function: with
+the classic ``forward(ctx, ...)`` they refuse it. Everything a backward reads is
+the inputs' or the output's, so the two forms run the same collectives.
 """
 
 from __future__ import annotations
@@ -110,10 +117,13 @@ def all_gather_impl(x: Tensor, group_name: str, world: int, step: str = "", *, d
 
 class _AllGather(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.group_name, ctx.world = group_name, world
+    def forward(x: Tensor, group_name: str, world: int) -> Tensor:
         return all_gather_impl(x, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -127,10 +137,14 @@ def all_gather_p(x: Tensor, group_name: str, world: int) -> Tensor:
 
 class _AllGatherInvariant(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group_name: str, world: int, rank: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.start, ctx.len = ctx_ints([rank * x.shape[0], x.shape[0]])
+    def forward(x: Tensor, group_name: str, world: int, rank: int) -> Tensor:
         return all_gather_impl(x, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        x, _, _, rank = inputs
+        ctx.start, ctx.len = ctx_ints([rank * x.shape[0], x.shape[0]])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -170,10 +184,13 @@ def reduce_scatter_impl(x: Tensor, reduce_op: str, group_name: str, world: int) 
 
 class _ReduceScatter(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
+    def forward(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         return reduce_scatter_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.reduce_op, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -236,10 +253,13 @@ def _all_reduce_impl(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
 
 class _AllReduce(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.reduce_op, ctx.group_name, ctx.world = reduce_op, group_name, world
+    def forward(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         return _all_reduce_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.reduce_op, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -253,10 +273,13 @@ def all_reduce_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tens
 
 class _PsumInvariant(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.reduce_op, ctx.world = reduce_op, world
+    def forward(x: Tensor, reduce_op: str, group_name: str, world: int) -> Tensor:
         return _all_reduce_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.reduce_op, _, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -276,10 +299,13 @@ def psum_invariant_p(x: Tensor, reduce_op: str, group_name: str, world: int) -> 
 
 class _Pvary(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.group_name, ctx.world = group_name, world
+    def forward(x: Tensor, group_name: str, world: int) -> Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -313,10 +339,14 @@ def all_to_all_impl(x: Tensor, recv: list[IntLike], send: list[IntLike], group_n
 
 class _AllToAll(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
-        _faults.remember(ctx)
-        ctx.recv, ctx.send, ctx.group_name = ctx_ints(recv), ctx_ints(send), group_name
+    def forward(x: Tensor, recv: list[IntLike], send: list[IntLike], group_name: str) -> Tensor:
         return all_to_all_impl(x, recv, send, group_name)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, recv, send, ctx.group_name = inputs
+        ctx.recv, ctx.send = ctx_ints(recv), ctx_ints(send)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -344,10 +374,14 @@ def with_rows(blocks: Tensor, extra: Tensor) -> Tensor:
 
 class _AllGatherBlocks(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.n, ctx.group_name, ctx.world = ctx_ints([x.shape[0]])[0], group_name, world
+    def forward(x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         return all_gather_impl(with_rows(x.unsqueeze(0), extra), group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        x, _, ctx.group_name, ctx.world = inputs
+        ctx.n = ctx_ints([x.shape[0]])[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -365,14 +399,18 @@ def all_gather_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
 
 class _AllToAllBlocks(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
+    def forward(x: Tensor, extra: Tensor, group_name: str, world: int) -> Tensor:
         cap = x.shape[0] // world
-        ctx.cap, ctx.size = ctx_ints([cap, cap + extra.shape[0]])
-        ctx.group_name, ctx.world = group_name, world
         blocks = x.reshape(world, cap, *x.shape[1:])
         split = [cap + extra.shape[0]] * world
         return all_to_all_impl(with_rows(blocks, extra), split, split, group_name)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        x, extra, ctx.group_name, ctx.world = inputs
+        cap = x.shape[0] // ctx.world
+        ctx.cap, ctx.size = ctx_ints([cap, cap + extra.shape[0]])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -394,10 +432,13 @@ def all_to_all_blocks_p(x: Tensor, extra: Tensor, group_name: str, world: int) -
 # ------------------------------------------------------------------ broadcast and reduce
 class _Broadcast(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.src, ctx.group_name, ctx.world, ctx.rank = src, group_name, world, rank
+    def forward(x: Tensor, src: int, group_name: str, world: int, rank: int) -> Tensor:
         return _run("broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g), root=src)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.src, ctx.group_name, ctx.world, ctx.rank = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -410,16 +451,17 @@ def broadcast_p(x: Tensor, src: int, group_name: str, world: int, rank: int) -> 
 
 class _Reduce(Primitive):
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, rank: int
-    ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.reduce_op, ctx.dst, ctx.group_name, ctx.world, ctx.rank = reduce_op, dst, group_name, world, rank
+    def forward(x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, rank: int) -> Tensor:
         # c10d's functional ops have no reduce: an all_reduce, whose result only dst keeps.
         total = _all_reduce_impl(x, reduce_op, group_name, world)
         if rank != dst and isinstance(total, Pending) and total.ticket.sent is not None:
             total.ticket.wait()  # a fingerprinted call: checked here, as dst checks it at its first read
         return total if rank == dst else x.new_zeros(x.shape)  # contiguous, whatever x's strides
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.reduce_op, ctx.dst, ctx.group_name, ctx.world, ctx.rank = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -440,14 +482,17 @@ def reduce_p(x: Tensor, reduce_op: str, dst: int, group_name: str, world: int, r
 # --------------------------------------------------------------------------- replicate_p
 class _Replicate(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
-        _faults.remember(ctx)
-        ctx.reduce_op, ctx.world = reduce_op, world
+    def forward(x: Tensor, reduce_op: str | None, src: int, group_name: str, world: int) -> Tensor:
         if reduce_op is None:
             return _run(
                 "broadcast", group_name, x.contiguous(), lambda t, g: _F.broadcast(t, src, g), root=src
             )
         return _all_reduce_impl(x, reduce_op, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.reduce_op, _, _, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -611,7 +656,6 @@ def gather_pieces(
 class _AllGatherV(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         sizes: list[IntLike],
         common: IntLike,
@@ -620,10 +664,13 @@ class _AllGatherV(Primitive):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.sizes, ctx.group_name, ctx.world, ctx.rank = ctx_ints(sizes), group_name, world, rank
-        ctx.stats = None if stats is None else tuple(ctx_ints(stats))
         return _all_gather_v_impl(x, sizes, common, group_name, world, rank)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, sizes, _, ctx.group_name, ctx.world, ctx.rank, stats = inputs
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -634,7 +681,6 @@ class _AllGatherV(Primitive):
 class _ReduceScatterV(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         sizes: list[IntLike],
         reduce_op: str,
@@ -643,16 +689,13 @@ class _ReduceScatterV(Primitive):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.sizes, ctx.reduce_op, ctx.group_name, ctx.world, ctx.rank = (
-            ctx_ints(sizes),
-            reduce_op,
-            group_name,
-            world,
-            rank,
-        )
-        ctx.stats = None if stats is None else tuple(ctx_ints(stats))
         return _reduce_scatter_v_impl(x, sizes, reduce_op, group_name, world, rank)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, sizes, ctx.reduce_op, ctx.group_name, ctx.world, ctx.rank, stats = inputs
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

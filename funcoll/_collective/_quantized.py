@@ -101,12 +101,13 @@ def _scatter_reduce(x: Tensor, wire: Wire | None, reduce_op: str, group_name: st
 
 class _AllGather(Primitive):
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, wire: Wire | None, grad_wire: Wire | None, group_name: str, world: int
-    ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.grad_wire, ctx.group_name, ctx.world = grad_wire, group_name, world
+    def forward(x: Tensor, wire: Wire | None, grad_wire: Wire | None, group_name: str, world: int) -> Tensor:
         return _gather(x, wire, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, _, ctx.grad_wire, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -117,7 +118,6 @@ class _AllGather(Primitive):
 class _ReduceScatter(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         wire: Wire | None,
         grad_wire: Wire | None,
@@ -125,9 +125,12 @@ class _ReduceScatter(Primitive):
         group_name: str,
         world: int,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.grad_wire, ctx.reduce_op, ctx.group_name, ctx.world = grad_wire, reduce_op, group_name, world
         return _scatter_reduce(x, wire, reduce_op, group_name, world)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, _, ctx.grad_wire, ctx.reduce_op, ctx.group_name, ctx.world = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -161,7 +164,6 @@ def _rows(x: Tensor, wire: Wire | None, recv: list[IntLike], send: list[IntLike]
 class _AllToAllRows(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         wire: Wire | None,
         grad_wire: Wire | None,
@@ -169,10 +171,13 @@ class _AllToAllRows(Primitive):
         send: list[IntLike],
         group_name: str,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.grad_wire, ctx.group_name = grad_wire, group_name
-        ctx.recv, ctx.send = ctx_ints(recv), ctx_ints(send)
         return _rows(x, wire, recv, send, group_name)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, _, ctx.grad_wire, recv, send, ctx.group_name = inputs
+        ctx.recv, ctx.send = ctx_ints(recv), ctx_ints(send)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -208,7 +213,6 @@ class _GatherRows(Primitive):
 
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         wire: Wire | None,
         grad_wire: Wire | None,
@@ -219,13 +223,16 @@ class _GatherRows(Primitive):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.grad_wire, ctx.group_name, ctx.world, ctx.rank = grad_wire, group_name, world, rank
-        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
         if wire is None:  # exact rows (only the gradient is quantized)
             return _own(gather_rows(x, sizes, strategy, group_name, world, rank, stats))
         got = gather_rows(_encode(x, wire, lead=1), sizes, strategy, group_name, world, rank, stats)
         return _own(_decode(got, wire, x.shape[1:], x.dtype))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, _, ctx.grad_wire, sizes, _, ctx.group_name, ctx.world, ctx.rank, stats = inputs
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -240,7 +247,6 @@ class _ScatterRows(Primitive):
 
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         wire: Wire,
         sizes: list[IntLike],
@@ -249,14 +255,17 @@ class _ScatterRows(Primitive):
         rank: int,
         stats: Stats | None,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.group_name, ctx.world, ctx.rank = group_name, world, rank
-        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
         mine = sizes[rank]
         got = all_to_all_impl(_encode(x, wire, lead=1), [mine] * world, list(sizes), group_name)
         # reshape, not Tensor.unflatten: under a torch function mode (torch.set_default_device)
         # dynamo inlines unflatten's Python wrapper, whose super() call it cannot trace.
         return _decode(got, wire, x.shape[1:], x.dtype).reshape(world, mine, *x.shape[1:]).sum(0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, _, sizes, ctx.group_name, ctx.world, ctx.rank, stats = inputs
+        ctx.sizes, ctx.stats = ctx_ints(sizes), None if stats is None else tuple(ctx_ints(stats))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -46,9 +46,12 @@ def row_kernels(t: Tensor) -> ModuleType | None:
 
 class _PadRows(Primitive):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
-        ctx.n = x.shape[0]
+    def forward(x: Tensor, n_out: int, kernels: ModuleType) -> Tensor:
         return kernels.pad_rows(x, n_out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.n = inputs[0].shape[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -57,12 +60,13 @@ class _PadRows(Primitive):
 
 class _PackRows(Primitive):
     @staticmethod
-    def forward(
-        ctx: Any, blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType
-    ) -> Tensor:
-        ctx.save_for_backward(sizes)
-        ctx.bound, ctx.kernels = bound, kernels
+    def forward(blocks: Tensor, sizes: Tensor, bound: int, n_out: int, kernels: ModuleType) -> Tensor:
         return kernels.pack_rows(blocks, sizes, bound, n_out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, sizes, ctx.bound, _, ctx.kernels = inputs
+        ctx.save_for_backward(sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -153,9 +157,13 @@ class _Cut(Primitive):
     """
 
     @staticmethod
-    def forward(ctx: Any, blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike) -> Tensor:
-        ctx.save_for_backward(sizes, blocks.new_empty((bound, 0)))
+    def forward(blocks: Tensor, sizes: Tensor, bound: IntLike, n_out: IntLike) -> Tensor:
         return pack_reference(blocks, sizes, bound, n_out, exact=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        blocks, sizes, bound, _ = inputs
+        ctx.save_for_backward(sizes, blocks.new_empty((bound, 0)))  # no bytes: its shape holds the bound
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -27,7 +27,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ._phase import Primitive
 
-__all__ = ["CAST", "Typed", "plain", "typed", "vma_of"]
+__all__ = ["CAST", "Typed", "no_transforms", "plain", "typed", "vma_of"]
 
 # While True, a Typed tensor's torch functions run as a plain tensor's (how `plain` unwraps).
 _PLAIN: list[bool] = [False]
@@ -202,11 +202,31 @@ def _cast(a: Any, vma: frozenset[str]) -> Any:
     if isinstance(a, Tensor):
         have = a.vma if isinstance(a, Typed) else frozenset()
         if have != vma and a.requires_grad and torch.is_grad_enabled():
+            no_transforms("funcoll.shard_map")
             return CAST[0](a, vma - have)
         return a
     if isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) for b in a):
         return type(a)(_cast(b, vma) for b in a)
     return a
+
+
+def no_transforms(opname: str) -> None:
+    """Refuse the typed mode's casts and collectives inside a torch.func transform (eager code).
+
+    ``torch.func.grad`` (``vjp``, ``grad_and_value``, ``vmap``) hands its function
+    torch's wrappers of the values it transforms: plain tensors, whose type (the axes
+    a value varies over) is gone. The typed mode would take a varying input for an
+    invariant one, cast it (a psum of its gradient) and transpose ``psum`` as the
+    untyped mode does: gradients silently other than JAX's. ``torch.autograd.grad``
+    inside the typed `f` keeps the types (``_differentiate``).
+    """
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"{opname}: torch.func's transforms (grad, vjp, grad_and_value, vmap) do not run inside "
+            f"shard_map(..., check_vma=True): the values they pass carry no type (funcoll.typeof(x).vma), so "
+            f"the typed mode would transpose its collectives by the untyped rules; use torch.autograd.grad "
+            f"inside the typed f, or torch.func inside shard_map(..., check_vma=False)"
+        )
 
 
 def _typed_out(out: Any, vma: frozenset[str]) -> Any:
@@ -234,8 +254,12 @@ class _Arrived(Primitive):
     """A pending result's values, waited for, as a plain tensor on the same autograd path (no copy)."""
 
     @staticmethod
-    def forward(ctx: Any, t: AsyncCollectiveTensor) -> Tensor:
+    def forward(t: AsyncCollectiveTensor) -> Tensor:
         return t.wait()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        return None  # the backward is the identity: it keeps nothing
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -69,10 +69,14 @@ def _scaled(g: Tensor, scale: str | None, world: int) -> Tensor:
     return g
 
 
+def _split_sizes(x: Tensor, dim: int, world: int, sizes: list[IntLike] | None) -> list[IntLike]:
+    """The pieces of `x` along `dim`: tensor_split's unless given (a DTensor's: torch.chunk's); longest first."""
+    return tensor_split_sizes(x.shape[dim], world) if sizes is None else sizes
+
+
 class _SplitForwardGatherBackward(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         dim: int,
         scale: str | None,
@@ -81,14 +85,16 @@ class _SplitForwardGatherBackward(Primitive):
         rank: int,
         sizes: list[IntLike] | None,
     ) -> Tensor:
-        _faults.remember(ctx)
-        ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank = dim, scale, group_name, world, rank
-        # tensor_split's pieces unless given (a DTensor's: torch.chunk's); longest first either way
-        sizes = tensor_split_sizes(x.shape[dim], world) if sizes is None else sizes
-        ctx.sizes = _prims.ctx_ints(sizes)
-        ctx.total = _prims.ctx_ints([x.shape[dim]])[0]
+        sizes = _split_sizes(x, dim, world, sizes)
         start = sum(sizes[:rank])
         return fresh(x.narrow(dim, start, sizes[rank]))  # a copy even when the piece is contiguous
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        x, ctx.dim, ctx.scale, ctx.group_name, ctx.world, ctx.rank, sizes = inputs
+        ctx.sizes = _prims.ctx_ints(_split_sizes(x, ctx.dim, ctx.world, sizes))
+        ctx.total = _prims.ctx_ints([x.shape[ctx.dim]])[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -102,7 +108,6 @@ class _SplitForwardGatherBackward(Primitive):
 class _GatherForwardSplitBackward(Primitive):
     @staticmethod
     def forward(
-        ctx: Any,
         x: Tensor,
         dim: int,
         sizes: list[IntLike],
@@ -113,7 +118,6 @@ class _GatherForwardSplitBackward(Primitive):
         rank: int,
         strategy: str,
     ) -> Tensor:
-        _faults.remember(ctx)
         xm = to_rows(x, dim)
         y = unwire(_prims.gather_rows(xm, sizes, strategy, group_name, world, rank, stats), x.dtype)
         if dim != 0:
@@ -126,10 +130,14 @@ class _GatherForwardSplitBackward(Primitive):
             # and this backward gets zeros: compiled input gradients of 0 on 2.11. Inductor drops
             # the clone where the layout already matches; eager keeps .contiguous() (no copy).
             y = fresh(moved) if torch.compiler.is_compiling() else moved.contiguous()
-        ctx.dim, ctx.scale, ctx.world = dim, scale, world
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _faults.remember(ctx)
+        _, ctx.dim, sizes, _, ctx.scale, _, ctx.world, rank, _ = inputs
         ctx.start = _prims.ctx_ints([sum(sizes[:rank])])[0]
         ctx.len = _prims.ctx_ints([sizes[rank]])[0]
-        return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

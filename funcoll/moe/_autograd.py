@@ -74,17 +74,20 @@ class Gather(Primitive):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
         t: Tensor,
         index: Tensor,
         spare: bool | int,
         back: Tensor,
         valid: Tensor | int | None,
     ) -> Tensor:
+        return take(t, index, spare)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:  # type: ignore[override]
+        _, _, _, back, valid = inputs
         ctx.masked = isinstance(valid, Tensor)
         ctx.block = None if ctx.masked else valid
         ctx.save_for_backward(back, valid if ctx.masked else back)
-        return take(t, index, spare)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -162,30 +165,43 @@ class WeightedSum(Primitive):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
         rows: Tensor,
         row_of: Tensor,
         weights: Tensor,
         skip: int | None,
         pairs: Tensor,
         zero: Tensor | int | None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor, Tensor]:
         tokens, k = row_of.shape
-        flat = row_of.reshape(-1)
         bags = torch.arange(0, tokens * k, k, device=row_of.device)
         # No padding_idx (-1): with one, the CPU's kernel leaves its fast path (`sum_bags`).
         out, offset2bag, _, _ = torch.ops.aten._embedding_bag(
-            rows, flat, bags, False, 0, False, weights.reshape(-1), False, -1
+            rows, row_of.reshape(-1), bags, False, 0, False, weights.reshape(-1), False, -1
         )
-        # The weights' gradient skips the entries equal to `skip` (their weights are a
-        # `where`'s zeros, whose gradient is zero): no dot product for a dropped pair.
-        ctx.k, ctx.pad = k, -1 if skip is None else skip
-        ctx.masked, ctx.block = isinstance(zero, Tensor), zero if not isinstance(zero, Tensor) else None
-        ctx.save_for_backward(rows, flat, bags, offset2bag, weights, pairs)
-        return out
+        # The bags and embedding_bag's map of entries to bags are the weights' gradient's
+        # too: outputs, not differentiable, that `weighted_sum` drops (a forward has no ctx
+        # to keep them on, and offset2bag is the kernel's own).
+        return out, bags, offset2bag
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:  # type: ignore[override]
+        rows, row_of, weights, skip, pairs, zero = inputs
+        _, bags, offset2bag = output
+        ctx.mark_non_differentiable(bags, offset2bag)
+        if not torch.compiler.is_compiling():
+            # Their gradients (always zero) stay None, not zeros of their shape made for a
+            # backward that ignores them. (Dynamo refuses this call; a compiled backward
+            # has no input for an output that needs no gradient.)
+            ctx.set_materialize_grads(False)
+        # The weights' gradient skips the entries equal to `skip` (their weights are a
+        # `where`'s zeros, whose gradient is zero): no dot product for a dropped pair.
+        ctx.k, ctx.pad = row_of.shape[1], -1 if skip is None else skip
+        ctx.masked, ctx.block = isinstance(zero, Tensor), zero if not isinstance(zero, Tensor) else None
+        # (row_of.reshape(-1) is the forward's view again: `combine` passes a contiguous row_of.)
+        ctx.save_for_backward(rows, row_of.reshape(-1), bags, offset2bag, weights, pairs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         rows, flat, bags, offset2bag, weights, pairs = ctx.saved_tensors
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
@@ -256,6 +272,6 @@ def weighted_sum(
     if skip is not None:
         w = torch.where(row_of == skip, 0, w)
     if rows.dtype.is_floating_point and not by_gather(rows):
-        return WeightedSum.apply(rows, row_of, w, skip, pairs, zero)
+        return WeightedSum.apply(rows, row_of, w, skip, pairs, zero)[0]
     per_pair = rows_of_pairs(rows, row_of, pairs, zero).view(*row_of.shape, rows.shape[1])
     return (per_pair * w.unsqueeze(-1)).sum(1)
