@@ -1,7 +1,7 @@
 """What a compiled step's first call costs with funcoll's ops, beside the same step on funcol's even ops.
 
 Run: ``python benchmarks/bench_compile.py [--worlds 2 4] [--backends aot_eager inductor] [--rounds 2]
-[--warm] [--json out.json]``
+[--warm [--allow-caches]] [--json out.json]``
 
 A training step's first compiled call traces it (dynamo), builds its joint graph and
 partitions it (AOT autograd) and, on inductor, generates and compiles code; on a
@@ -27,7 +27,9 @@ With ``--warm`` inductor's caches stay on (the FX graph cache and AOT autograd's
 on disk, as a job has them by default) and the untimed round fills them: each timed
 first call is then what a restarted job pays for a step it compiled before. A graph
 that a cache refuses ("bypass", counted per method in ``torch._dynamo.utils.counters``
-and reported) compiles in full again.
+and reported) compiles in full again. ``--allow-caches`` calls
+``funcoll.allow_compile_caches()`` in every rank first, so that the caches keep
+funcoll's graphs too (docs/compile.md).
 
 Reported per method: the first call's wall time (the slowest rank's), the steady
 step's time after it (median of 3 calls), and the first call's time over the
@@ -136,7 +138,13 @@ def _first_call(step: Callable[..., torch.Tensor], x: torch.Tensor, ragged: bool
 
 
 def _bench(
-    rank: int, world: int, backends: list[str], forms: list[str], rounds: int, warm: bool = False
+    rank: int,
+    world: int,
+    backends: list[str],
+    forms: list[str],
+    rounds: int,
+    warm: bool = False,
+    allow_caches: bool = False,
 ) -> list[dict]:
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import compilation_time_metrics, counters
@@ -144,6 +152,8 @@ def _bench(
     if not warm:
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # what the next line asks for
         inductor_config.force_disable_caches = True  # every first call compiles cold: no FX graph / AOT cache
+    if allow_caches:
+        funcoll.allow_compile_caches()
     caches: dict[tuple[str, str, str], dict[str, int]] = {}
     steps = {form: _steps(rank, world, form) for form in forms}
     modes = ["eager", *backends]
@@ -195,13 +205,22 @@ def main() -> None:
     parser.add_argument(
         "--warm", action="store_true", help="inductor's caches on, filled by the untimed round"
     )
+    parser.add_argument(
+        "--allow-caches",
+        action="store_true",
+        help="with --warm: funcoll.allow_compile_caches() first, so the caches keep funcoll's graphs",
+    )
     add_link_argument(parser)
     args = parser.parse_args()
+    if args.allow_caches and not args.warm:
+        parser.error("--allow-caches needs --warm (cold compiles turn the caches off)")
     print(on_link(args.link))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks share the cores; no worker pool
     records = []
     for world in args.worlds:
-        per_rank = run_ranks(_bench, world, args.backends, args.forms, args.rounds, args.warm, timeout=3600)
+        per_rank = run_ranks(
+            _bench, world, args.backends, args.forms, args.rounds, args.warm, args.allow_caches, timeout=3600
+        )
         # The slowest rank's first call is the step's: the collectives wait for it.
         for r0 in per_rank[0]:
             key = (r0["form"], r0["mode"], r0["method"])
@@ -209,7 +228,7 @@ def main() -> None:
             slowest = max(same, key=lambda r: r["first_s"])
             records.append({**slowest, "ratio": max(r["ratio"] for r in same)})
     print(f"torch {torch.__version__}, gloo on CPU, {T} x {D} float32 rows a rank, "
-          f"{'warm caches' if args.warm else 'cold compiles'}, "
+          f"{'warm caches' if args.warm else 'cold compiles'}{' (allow_compile_caches)' if args.allow_caches else ''}, "
           f"medians of {args.rounds} interleaved rounds, slowest rank")  # fmt: skip
     print(
         "| world | step | mode | method | first call s | x funcol | steady ms | dynamo trace s | inductor s "

@@ -7,7 +7,7 @@ the ``torch.ops._c10d_functional`` ops.
 
 from . import lax as lax  # the submodule: funcoll.lax.psum after `import funcoll`
 from . import moe as moe  # the submodule: funcoll.moe.dispatch after `import funcoll`
-from ._base._compile import mark_ragged
+from ._base._compile import allow_compile_caches, mark_ragged
 from ._base._config import checks_enabled, set_checks
 from ._base._group import Group, GroupLike, axis_index, axis_size
 from ._base._quant import Wire
@@ -45,6 +45,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_padded",
     "all_to_all_v",
+    "allow_compile_caches",
     "axis_index",
     "axis_size",
     "broadcast",

@@ -1,7 +1,8 @@
-"""Helpers for compiled code that calls funcoll: marking the sizes that change from call to call.
+"""Helpers for compiled code that calls funcoll: the sizes that change from call to call, and the caches.
 
 Not collectives: they tell ``torch.compile`` about the inputs of a compiled step
-so that one graph serves every ragged length (docs/compile.md).
+so that one graph serves every ragged length, and let inductor's on-disk caches
+keep the graphs that hold funcoll's ops (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from ._checks import check_dim, check_tensor
 
-__all__ = ["mark_ragged"]
+__all__ = ["allow_compile_caches", "mark_ragged"]
 
 
 def _mark_unbacked_takes_min() -> bool:
@@ -102,3 +103,70 @@ def mark_ragged(x: Tensor, dim: int = 0, *, min_size: int = 0) -> Tensor:
                 x.as_strided_(x.shape, strides)
     torch._dynamo.decorators.mark_unbacked(x, d, **bound)
     return x
+
+
+# What inductor's caches refuse in a graph that holds funcoll's ops, by the name torch's
+# cacheability checks look up: the ordered effects of funcoll's backward anchor and size
+# header (the FX graph cache), and the tensor a size header is built from when its lengths
+# are symbols (AOT autograd's cache: dynamo records it as torch._refs.tensor).
+_MARKED = ("torch.ops.higher_order.with_effects", "torch._refs.tensor")
+
+
+def allow_compile_caches(enable: bool = True) -> None:
+    """Let inductor's on-disk caches keep compiled graphs that hold funcoll's ops, so a restarted job reuses them.
+
+    A job that compiles its step again after a restart (a preempted run, the next
+    launch of the same script) normally finds the graphs in inductor's caches:
+    AOT autograd's cache skips the joint trace and the partition, the FX graph
+    cache the code generation. By torch's defaults both refuse ("bypass") every
+    graph that holds a funcoll op, which then compiles in full again:
+
+    - AOT autograd's cache refuses any ``torch.autograd.Function`` (every funcoll
+      primitive is one) unless ``torch._functorch.config.
+      autograd_cache_allow_custom_autograd_functions`` is set. This sets it.
+    - The FX graph cache refuses the ``with_effects`` higher-order op, which holds
+      funcoll's backward anchor and its size header (ordered effects that keep the
+      ranks' collectives in one order, docs/compile.md), and AOT autograd's cache
+      refuses ``torch._refs.tensor``, the size header of a ragged op whose
+      lengths are symbols. This names both in
+      ``torch._inductor.config.unsafe_marked_cacheable_functions``, keyed by the
+      torch and funcoll versions, so an upgrade of either compiles afresh.
+
+    Why it is sound for funcoll's graphs: dynamo traces each Function's forward
+    and backward into the graph the caches hash, so the key covers them, and
+    every rank-dependent value (rank, world, group names, checks) is a constant
+    of that graph; the anchor and the header are funcoll custom ops, run by name
+    at run time; ``torch._refs.tensor`` is a pure function of the graph's values.
+    Dynamo itself still traces each step after a restart (the caches start after
+    its trace), so the group names a graph uses are registered again.
+
+    The settings are torch's and global: they also let the caches keep graphs
+    with your own autograd.Functions and ordered effects, which torch leaves to
+    you to vouch for. Call it once, before the first compile, on every rank (a
+    rank that hits the cache and one that compiles issue the same collectives,
+    but the hit saves the compile only where it is on). ``enable=False``
+    restores torch's defaults.
+
+    Args:
+        enable: turn the caching of funcoll's graphs on (True) or off (False).
+
+    Example::
+
+        import funcoll
+        funcoll.allow_compile_caches()          # before torch.compile, on every rank
+        step = torch.compile(train_step, fullgraph=True)
+        # a restart's first step: AOT autograd's and the FX graph cache hit
+    """
+    opname = "funcoll.allow_compile_caches"
+    if not isinstance(enable, bool):
+        raise TypeError(f"{opname}: `enable` must be a bool, got {type(enable).__name__} {enable!r}")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from .. import __version__
+
+    functorch_config.autograd_cache_allow_custom_autograd_functions = enable
+    marked = {k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items() if k not in _MARKED}
+    if enable:
+        marked.update(dict.fromkeys(_MARKED, f"torch {torch.__version__}, funcoll {__version__}"))
+    inductor_config.unsafe_marked_cacheable_functions = marked

@@ -139,6 +139,7 @@ for _name, _family, _collectives in (
     ("axis_size", GROUPS, NONE),
     ("split_sizes", GROUPS, None),
     ("mark_ragged", COMPILING, None),
+    ("allow_compile_caches", COMPILING, None),
     ("set_checks", CHECKS, None),
     ("checks_enabled", CHECKS, None),
     ("shard_map", JAX, None),  # issues what `f` issues
