@@ -11,6 +11,7 @@ from ._base._compile import allow_compile_caches, mark_ragged
 from ._base._config import checks_enabled, set_checks
 from ._base._group import Group, GroupLike, axis_index, axis_size
 from ._base._quant import Wire
+from ._base._version import __version__ as __version__
 from ._collective._async import wait
 from ._ops._even import (
     all_gather,
@@ -29,8 +30,6 @@ from ._ops._shard import from_ragged, to_ragged
 from ._ops._static import all_to_all_padded, gather_padded
 from ._shard_map import P, shard_map
 from ._vma import typeof
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Group",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_dim, check_tensor
+from ._version import __version__
 
 __all__ = ["allow_compile_caches", "mark_ragged"]
 
@@ -162,8 +163,6 @@ def allow_compile_caches(enable: bool = True) -> None:
         raise TypeError(f"{opname}: `enable` must be a bool, got {type(enable).__name__} {enable!r}")
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-
-    from .. import __version__
 
     functorch_config.autograd_cache_allow_custom_autograd_functions = enable
     marked = {k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items() if k not in _MARKED}
