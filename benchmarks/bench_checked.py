@@ -29,13 +29,17 @@ runs these rows alone): each round runs them once at the default on a new
 group, whose count starts at 0, so that every one of its checks is paid, and
 once with ``set_checks(False)`` on another new group, interleaved; a row's time
 is the median per call over rounds. all_gather's fingerprint costs a copy of its
-input and of its result, all_to_all's too, all_reduce's one of its input,
-broadcast's one of its input per receiving rank on src (it runs as an all_to_all).
+input and of its result (from ``_fingerprint.AHEAD_BYTES`` a rank: a round trip
+ahead of the data instead, and the row "fingerprint in the payload" is the same
+calls with the copies, interleaved with the others), all_to_all's a copy of its
+input and of its result, all_reduce's one of its input, broadcast's one of its
+input per receiving rank on src (it runs as an all_to_all).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from _timing import add_link_argument, fenced_median, on_link  # benchmarks/, beside this script
 
 import funcoll
+from funcoll._collective import _fingerprint
 from funcoll.testing import run_ranks
 
 ROW = 1024  # float32 elements per row: 4 KiB
@@ -106,11 +111,18 @@ EAGER: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
 }
 
 
-def _run_of_calls(op: str, x: torch.Tensor, checks: bool | None, steps: int) -> float:
-    """Seconds per call of `steps` eager calls of `op` on a new group (its check count starts at 0)."""
+def _run_of_calls(op: str, x: torch.Tensor, checks: bool | None, steps: int, inline: bool = False) -> float:
+    """Seconds per call of `steps` eager calls of `op` on a new group (its check count starts at 0).
+
+    `inline`: every fingerprint travels in the payload, whatever its size (none ahead).
+    """
     g = dist.new_group(list(range(dist.get_world_size())))
     call = EAGER[op]
-    with funcoll.set_checks(checks):
+    ahead = _fingerprint.AHEAD_BYTES
+    with funcoll.set_checks(checks), contextlib.ExitStack() as stack:
+        if inline:
+            _fingerprint.AHEAD_BYTES = 1 << 62
+            stack.callback(setattr, _fingerprint, "AHEAD_BYTES", ahead)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -125,11 +137,18 @@ def _bench_default(rank: int, world: int, kib: list[int], rounds: int, steps: in
     for op in EAGER:
         for size in kib:
             x = torch.randn(max(world, size // 4 // world * world), ROW)  # size KiB, rows of 4 KiB
-            off, on = [], []
-            for _ in range(rounds):  # interleaved: drift hits both alike
+            ahead = op == "all_gather" and x.numel() * x.element_size() >= _fingerprint.AHEAD_BYTES
+            off, on, inline = [], [], []
+            for _ in range(rounds):  # interleaved: drift hits them alike
                 off.append(_run_of_calls(op, x, False, steps))
                 on.append(_run_of_calls(op, x, None, steps))
-            rows.append(_row(f"{op} eager, {steps} calls", size, off, on))
+                if ahead:
+                    inline.append(_run_of_calls(op, x, None, steps, inline=True))
+            rows.append(
+                _row(f"{op} eager, {steps} calls" + (", fingerprint ahead" if ahead else ""), size, off, on)
+            )
+            if ahead:
+                rows.append(_row(f"{op} eager, {steps} calls, fingerprint in the payload", size, off, inline))
     return rows
 
 

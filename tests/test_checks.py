@@ -21,6 +21,7 @@ from _inputs import once_per_world
 import funcoll
 import funcoll.moe
 import funcoll.testing
+from funcoll._collective._fingerprint import AHEAD_BYTES
 
 WORLDS = (2, 3)
 TIMEOUT_S = 120.0
@@ -205,6 +206,8 @@ def _later(
 
 
 FINGERPRINT = ["ranks disagree on this call", "fingerprint", "funcoll.set_checks(True)"]
+# Rows of 512 float32 whose all_gather sends its fingerprint ahead of the data (_fingerprint.AHEAD_BYTES).
+AHEAD_ROWS = AHEAD_BYTES // (512 * 4)
 LATER_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
     "all_gather-shape-same-bytes": (
         _later(lambda x, g: funcoll.all_gather(x, group=g), (3, 4), (2, 6)),
@@ -212,6 +215,16 @@ LATER_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
     ),
     "all_gather-dtype-same-bytes": (
         _later(lambda x, g: funcoll.all_gather(x, group=g), (2, 3), (2, 3), torch.int32),
+        ["funcoll.all_gather:"],
+    ),
+    "all_gather-ahead-shape-same-bytes": (
+        _later(lambda x, g: funcoll.all_gather(x, group=g), (AHEAD_ROWS, 512), (AHEAD_ROWS // 2, 1024)),
+        ["funcoll.all_gather:"],
+    ),
+    "all_gather-ahead-dtype-same-bytes": (
+        _later(
+            lambda x, g: funcoll.all_gather(x, group=g), (AHEAD_ROWS, 512), (AHEAD_ROWS, 512), torch.int32
+        ),
         ["funcoll.all_gather:"],
     ),
     "all_gather_into_tensor-shape": (
@@ -261,6 +274,11 @@ LATER_MISTAKES: dict[str, tuple[Callable[[int, int], Any], list[str]]] = {
 }
 
 
+def _big(rank: int) -> torch.Tensor:
+    """A tensor whose all_gather's fingerprint goes ahead of the data: AHEAD_BYTES of float32."""
+    return torch.arange(float(AHEAD_ROWS * 512)).reshape(AHEAD_ROWS, 512) + 0.5 * rank
+
+
 def _unchecked_calls(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     """Eight agreeing calls of each op on a new group (3, 5, 6 and 7 fingerprinted), waited."""
     x = torch.arange(6.0).reshape(2, 3) + 10 * rank
@@ -271,6 +289,7 @@ def _unchecked_calls(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
         "all_gather-bf16": lambda g: funcoll.all_gather(x.bfloat16(), group=g),
         "all_gather-complex": lambda g: funcoll.all_gather(torch.complex(x, -x), group=g),
         "all_gather-no-rows": lambda g: funcoll.all_gather(x[:0], group=g),
+        "all_gather-ahead": lambda g: funcoll.all_gather(_big(rank), group=g),
         "all_gather_into_tensor": lambda g: funcoll.all_gather_into_tensor(x, group=g),
         "all_reduce-sum": lambda g: funcoll.all_reduce(x, group=g),
         "all_reduce-avg": lambda g: funcoll.all_reduce(x, op="avg", group=g),
@@ -440,6 +459,7 @@ def _unchecked_references(world: int) -> dict[str, torch.Tensor]:
         "all_gather-bf16": torch.cat([x.bfloat16() for x in xs]),
         "all_gather-complex": torch.cat([torch.complex(x, -x) for x in xs]),
         "all_gather-no-rows": torch.zeros(0, 3),
+        "all_gather-ahead": torch.cat([_big(r) for r in range(world)]),
         "all_gather_into_tensor": torch.stack(xs),
         "all_reduce-sum": sum(xs),
         "all_reduce-avg": sum(xs) / world,

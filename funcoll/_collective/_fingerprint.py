@@ -25,9 +25,20 @@ funcoll's ``ValueError`` on every rank that received a fingerprint.
 
 How it travels, by collective:
 
-- all_gather, all_to_all, broadcast (bytes moved as they are): the payload as
-  bytes, then the 8 bytes of the fingerprint after it (after each piece, for
-  an all_to_all); a received block whose last 8 bytes differ from the
+- all_gather of at least :data:`AHEAD_BYTES` a rank: ahead of the data, in an
+  all_gather of the 8 fingerprint bytes that the host waits for and checks;
+  the data's own all_gather then runs as it is, its result not copied. Carried
+  in the payload, the fingerprint costs a copy of the input and one of the
+  result on the calling thread (at 16 MiB a rank on this 2-core machine, about
+  twice what the collective's exposed time is with the checks off); ahead, it
+  costs one small collective's round trip, and ranks that disagree all raise
+  before any data is sent. Every rank of a correct program gathers the same
+  bytes, so every rank takes the same way; ranks whose bytes differ (one
+  ahead, one not) pair collectives of different sizes, which the backend
+  stops or the check catches as it does below;
+- all_gather (smaller), all_to_all, broadcast (bytes moved as they are): the
+  payload as bytes, then the 8 bytes of the fingerprint after it (after each
+  piece, for an all_to_all); a received block whose last 8 bytes differ from the
   fingerprint this rank expects from its sender fails the check. The received
   blocks are then copied out without their fingerprints (all_gather, all_to_all:
   one copy of the result) or the result is a view of them (broadcast);
@@ -66,6 +77,10 @@ __all__ = ["Sent", "pack"]
 
 _F = torch.ops._c10d_functional
 BITS = 32  # bits of the fingerprint a reduction carries, as BITS pairs of values
+# From this many payload bytes a rank, an all_gather's fingerprint goes ahead of its data in
+# a collective of its own (one round trip) instead of inside it (two copies on the calling
+# thread). Every rank of a correct program gathers the same bytes: they all choose alike.
+AHEAD_BYTES = 1 << 20
 _REDUCED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
             torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # fmt: skip
 # Fingerprinted collectives so far on each group (by name): the same on every rank.
@@ -95,7 +110,9 @@ class Sent:
     with `copied` its values without the fingerprints copied into `into` (a new
     tensor if None; ``result(None, None)`` is that tensor before the data came);
     ``check(out)`` the ranks whose fingerprints differ from this rank's ([-1]:
-    some rank's, unknown which).
+    some rank's, unknown which). `ahead`: the payload is the fingerprint alone,
+    exchanged and checked before the data's own collective, which then runs as it
+    is (:func:`funcoll._collective._prims` issues both).
     """
 
     def __init__(
@@ -106,9 +123,10 @@ class Sent:
         result: Callable[[Tensor | None, Tensor | None], Tensor],
         copied: bool,
         what: str,
+        ahead: bool = False,
     ) -> None:
         self.payload, self.issue, self.check, self.result, self.copied = payload, issue, check, result, copied
-        self.what, self.op = what, _faults.current_op()
+        self.what, self.op, self.ahead = what, _faults.current_op(), ahead
 
     def placeholder(self, out: Tensor) -> Tensor:
         """The op's result for the output `out` of :attr:`issue` before the data arrived: :meth:`complete` fills it."""
@@ -170,11 +188,21 @@ def pack(
 def _all_gather(
     x: Tensor, issue: Callable[[Tensor, str], Tensor], world: int, common: tuple[object, ...], what: str
 ) -> Sent:
-    """The 8 fingerprint bytes after each rank's payload bytes; the result copied out without them."""
+    """The 8 fingerprint bytes after each rank's payload bytes, the result copied out without them; or ahead.
+
+    From :data:`AHEAD_BYTES` a rank the fingerprint goes ahead (:class:`Sent`'s
+    `ahead`): every rank's 8 bytes in an all_gather of their own.
+    """
     shape = tuple(x.shape)
     h = _hash(*common, shape)
+    nb = x.numel() * x.element_size()
+    if nb >= AHEAD_BYTES:
+
+        def check_ahead(out: Tensor) -> list[int]:
+            return _differ(out.view(world, 8), _bytes(h).expand(world, 8), range(world))
+
+        return Sent(_bytes(h), issue, check_ahead, lambda out, into: out, copied=False, what=what, ahead=True)  # type: ignore[arg-type, return-value]
     data = x.reshape(-1).view(torch.uint8)
-    nb = data.shape[0]
     out_shape = (world * shape[0], *shape[1:])
 
     def check(out: Tensor) -> list[int]:

@@ -95,7 +95,9 @@ def _run(
     if call is not None:  # a default, unchecked eager call: fingerprinted
         world, rank = size_of(group_name), rank_of(group_name)
         sent = _fingerprint.pack(collective, group_name, x, issue, call, world, rank, splits, reduce_op, root)
-        if sent is not None:
+        if sent is not None and sent.ahead:  # exchanged and checked first (ValueError), then the data as is
+            sent.complete(_issue.run(collective, group_name, sent.payload, sent.issue, step, defer=False))
+        elif sent is not None:
             return _issue.run(collective, group_name, sent.payload, sent.issue, step, sent=sent)
     return _issue.run(collective, group_name, x, issue, step, defer=defer, wire=wire)
 
