@@ -27,7 +27,8 @@ all_to_all up to 64 ranks and pads past them: it is traced at 256.
 
 Ranks whose local shapes differ issue the same collectives at 64 ranks too: ranks
 1 and 63 (0 and 3 rows along the ragged dim; 63 is the root of the ``-last`` cases)
-trace every case, each in a child of its own, and
+trace every case but the ragged gather's "shift" (one collective per rank, compared
+on real ranks only), each in a child of its own, and
 :func:`funcoll.testing.collective_mismatch` compares their forward graphs and their
 backward graphs (test_rank_shapes does the same on real ranks, where it also pairs
 all_to_all's splits, which needs every rank's graph). Rank 1's graphs are also those
@@ -91,6 +92,10 @@ SHAPE_WORLD = 64
 # Rank 0 (1 row, the root of the src0/dst0 cases) meets the others on 2 and 3 real ranks
 # there. The first of these traces PLAN[64] for the structure tests too (suite time).
 SHAPE_RANKS = (1, 63)
+# Traced by the first shape rank only (for the structure tests): "shift" issues a
+# collective per rank, 16 s a shape rank at 64 (suite time), and its ranks with 0 and 3
+# rows are compared on 2 and 3 real ranks in test_rank_shapes.
+_FIRST_SHAPE_RANK_ONLY = ("gather-shift-ragged-x_nx5-dim0",)
 # What each run_ranks child traces: (world, rank); the shape ranks first, then PLAN's other worlds.
 CHILDREN = (*((SHAPE_WORLD, r) for r in SHAPE_RANKS), *((w, 0) for w in PLAN if w != SHAPE_WORLD))
 
@@ -103,6 +108,8 @@ def _trace_on_fake_group(child: int, world: int) -> dict:
     """
     fake_world, fake_rank = CHILDREN[child]
     plan = dict.fromkeys(_ALL, True) if fake_world == SHAPE_WORLD else PLAN[fake_world]
+    if fake_world == SHAPE_WORLD and fake_rank != SHAPE_RANKS[0]:
+        plan = {c: bw for c, bw in plan.items() if c not in _FIRST_SHAPE_RANK_ONLY}
     plan = {c: bw for c, bw in plan.items() if c not in KNOWN_BUGS}
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=fake_rank, world_size=fake_world)
@@ -201,7 +208,7 @@ def _rank_traces() -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("cid", [c for c in _ALL if c not in KNOWN_BUGS])
+@pytest.mark.parametrize("cid", [c for c in _ALL if c not in KNOWN_BUGS and c not in _FIRST_SHAPE_RANK_ONLY])
 def test_ranks_with_other_shapes_issue_the_same_collectives_at_64(cid: str) -> None:
     got = [traces[cid] for traces in _rank_traces()]
     errors = [f"rank {r}:\n{g}" for r, g in zip(SHAPE_RANKS, got, strict=True) if isinstance(g, str)]
