@@ -582,6 +582,12 @@ def _set_first(a: Tensor, v: Tensor) -> Tensor:
     return a
 
 
+def _detached_write(a: Tensor, v: Tensor) -> Tensor:
+    h = a * 1
+    h.detach().add_(v)  # `h` requires grad, and its detached view shares its data
+    return h
+
+
 def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
     """Every bad call, made on every rank before any communication; the message each raised."""
     x = torch.ones(3, 2)
@@ -657,6 +663,9 @@ def errors(rank: int, world: int, meshes: dict[str, Any]) -> dict[str, str]:
         )(torch.ones(2 * world)),
         "check_vma-write-into-grad": lambda: funcoll.shard_map(
             lambda a, v: (a * 1).add_(v), meshes["i"], (P(), P("i")), P("i"), check_vma=True
+        )(torch.ones(2, requires_grad=True), torch.ones(2 * world)),
+        "check_vma-write-into-detached-grad": lambda: funcoll.shard_map(
+            _detached_write, meshes["i"], (P(), P("i")), P("i"), check_vma=True
         )(torch.ones(2, requires_grad=True), torch.ones(2 * world)),
         "check_vma-and-check_rep": lambda: funcoll.shard_map(
             lambda v: v, meshes["i"], P(), P(), check_vma=False, check_rep=False
@@ -740,6 +749,9 @@ EXPECTED_ERRORS = {
     "f by a factory function",
     "check_vma-write-into-grad": "TypeError: funcoll.shard_map: `add_` writes a value varying over ['i'] in place "
     "into a tensor typed as varying over [] inside shard_map(..., check_vma=True), and it requires grad",
+    "check_vma-write-into-detached-grad": "TypeError: funcoll.shard_map: `add_` writes a value varying over ['i'] "
+    "in place into a tensor typed as varying over [] inside shard_map(..., check_vma=True), and it is a detached "
+    "view of a tensor that requires grad",
     "check_vma-funcoll-all_reduce": "TypeError: funcoll.all_reduce: `x` is a value of funcoll.shard_map(..., "
     "check_vma=True) (it varies over ['i']), where collectives are funcoll.lax's: they type their results and "
     "take their gradients by JAX's rules, which funcoll.all_reduce does not know. Use funcoll.lax.psum(x, "

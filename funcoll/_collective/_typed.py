@@ -27,7 +27,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ._phase import Primitive
 
-__all__ = ["CAST", "Typed", "no_transforms", "plain", "typed", "vma_of"]
+__all__ = ["CAST", "Typed", "no_transforms", "plain", "type_of", "typed", "vma_of"]
 
 # While True, a Typed tensor's torch functions run as a plain tensor's (how `plain` unwraps).
 _PLAIN: list[bool] = [False]
@@ -55,15 +55,44 @@ _OPERATORS: dict[str, Callable[..., Tensor]] = {
 }
 
 
-class Typed(Tensor):
-    """A tensor of ``shard_map(check_vma=True)``: ``vma``, the mesh axes its value varies over."""
+class _Type:
+    """What a :class:`Typed` tensor varies over: its own axes (``vma``) and the type of the tensor it
+    views (``of``), shared by the tensor and its views, and written in place with them; ``grad``:
+    whether the tensor it views required grad when the view was made (``x.detach()`` does not)."""
 
-    vma: frozenset[str]
+    __slots__ = ("grad", "of", "vma")
+
+    def __init__(self, vma: frozenset[str], of: _Type | None, grad: bool) -> None:
+        self.vma = vma
+        self.of = of
+        self.grad = grad
+
+
+class Typed(Tensor):
+    """A tensor of ``shard_map(check_vma=True)``: the mesh axes its value varies over (:func:`vma_of`).
+
+    The type is a :class:`_Type` the tensor holds. A view made inside `f` (``x.narrow(...)``,
+    ``x[1:]``, ``x.view(-1)``, ``x.detach()``) holds a type whose ``of`` is its source's, so
+    that the two share their writes: a write into the view widens the tensor it views (and
+    what that views), and a view varies over what its source varies over, whenever that
+    was written. Without the link ``x.narrow(0, 0, 1).copy_(y)`` retyped the view only,
+    and ``x`` (or a sibling view of it) kept a type that said invariant while its ranks
+    held different values. The type is an object of its own, not the tensor's attribute,
+    because dynamo replaces a tensor written in place by a new variable that carries the
+    attributes the tensor had before: a mutated ``_Type`` is seen through either.
+    """
+
+    _type: _Type
 
     @staticmethod
-    def __new__(cls, t: Tensor, vma: frozenset[str]) -> Typed:
+    def __new__(cls, t: Tensor, vma: frozenset[str], of: Tensor | None = None) -> Typed:
         out = t.as_subclass(cls)
-        out.vma = vma
+        src = type_of(of)
+        if src is None:
+            out._type = _Type(vma, None, False)
+        else:
+            with torch._C.DisableTorchFunctionSubclass():  # a plain read, not a torch function of the type
+                out._type = _Type(vma, src, of.requires_grad)  # type: ignore[union-attr]
         return out  # type: ignore[return-value]
 
     @classmethod
@@ -86,16 +115,15 @@ class Typed(Tensor):
         target = _written(func, args, kwargs)
         if target is not None:
             _check_write(func, target, vma)
+            _widen(target, vma)  # a typed target (and what it views) varies over what is written into it
         with torch._C.DisableTorchFunctionSubclass():
             if vma:
                 args = tuple(a if a is target else _cast(a, vma) for a in args)
                 kwargs = {k: v if v is target else _cast(v, vma) for k, v in kwargs.items()}
             out = func(*args, **kwargs)
-        if isinstance(target, Typed):  # the tensor written varies over what was written into it
-            target.vma = vma
-            if out is target:
-                return out
-        return _typed_out(out, vma)
+        if out is target and type_of(target) is not None:
+            return target  # the same tensor; compiled, the variable that holds its type
+        return _typed_out(out, vma, _viewed(func, args, out))
 
 
 # torch.autograd.grad, torch.autograd.backward and Tensor.backward, by name (as _OPERATORS): they
@@ -154,7 +182,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor
 def _check_write(func: Any, target: Tensor, vma: frozenset[str]) -> None:
     """An in-place write that its target's type can follow, or a TypeError that says what to write.
 
-    The written tensor takes the union of the axes (:class:`Typed` updates its ``vma``). Two
+    The written tensor, and what it views, take the union of the axes (:func:`_widen`). Two
     writes cannot be followed: into a plain tensor (one made inside `f` by a factory such as
     ``torch.zeros``, which carries no type) of a value that varies, and into a typed tensor
     that requires grad of a value that varies over more axes than it does, which JAX's
@@ -162,19 +190,20 @@ def _check_write(func: Any, target: Tensor, vma: frozenset[str]) -> None:
     to the tensor being overwritten. Either would leave a stale type and a value that
     varies where the type says it does not: an output that says replicated and is not.
     """
-    have = target.vma if isinstance(target, Typed) else frozenset()
+    have = vma_of(target)
     more = vma - have
     if not more:
         return
     name = getattr(func, "__name__", repr(func))
-    if not isinstance(target, Typed):
-        if torch.compiler.is_compiling():
-            # Dynamo on torch 2.11-2.14 hands `x[i] = y`'s target over as a plain tensor even when
-            # it is typed: it cannot be told from a factory's, so the write is not checked there.
-            return
+    if type_of(target) is None:
         why = "a tensor made inside f by a factory function (torch.zeros, torch.empty, ...) carries no type"
     elif target.requires_grad and torch.is_grad_enabled():
         why = "it requires grad, and widening its type casts it (a psum of its gradient), which has no in-place form"
+    elif _views_grad(target) and torch.is_grad_enabled():
+        why = (
+            "it is a detached view of a tensor that requires grad, whose type widens with it and would be "
+            "cast (a psum of its gradient), which has no in-place form"
+        )
     else:
         return
     raise TypeError(
@@ -185,14 +214,45 @@ def _check_write(func: Any, target: Tensor, vma: frozenset[str]) -> None:
     )
 
 
+def type_of(t: object) -> _Type | None:
+    """The type a typed tensor holds (:class:`Typed`), or None for anything else.
+
+    Read as the tensor's attribute, not by its class: compiled, dynamo hands a tensor that
+    was written in place on as a plain tensor, which still holds its attributes (a class
+    test took it for untyped, and the type of everything computed from it was lost).
+    """
+    if isinstance(t, Typed):
+        return t._type
+    if isinstance(t, Tensor) and torch.compiler.is_compiling():
+        return getattr(t, "_type", None)
+    return None
+
+
+def _widen(t: Tensor, vma: frozenset[str]) -> None:
+    """`t` written in place with a value varying over `vma`: it and every tensor it views vary over it too."""
+    of = type_of(t)
+    while of is not None:
+        of.vma = of.vma | vma
+        of = of.of
+
+
+def _views_grad(t: Tensor) -> bool:
+    """Whether a tensor typed `t` views required grad when the view was made (``x.detach()`` of one)."""
+    of = type_of(t)
+    while of is not None:
+        if of.grad:
+            return True
+        of = of.of
+    return False
+
+
 def _vma_in(a: Any) -> frozenset[str]:
-    if isinstance(a, Typed):
-        return a.vma
+    if isinstance(a, Tensor):
+        return vma_of(a)
     if isinstance(a, (list, tuple)):
         vma: frozenset[str] = frozenset()
         for b in a:
-            if isinstance(b, Typed):
-                vma = vma | b.vma
+            vma = vma | vma_of(b)
         return vma
     return frozenset()
 
@@ -200,7 +260,7 @@ def _vma_in(a: Any) -> frozenset[str]:
 def _cast(a: Any, vma: frozenset[str]) -> Any:
     """`a` made to vary over `vma` where its gradient needs the psum of JAX's automatic pcast."""
     if isinstance(a, Tensor):
-        have = a.vma if isinstance(a, Typed) else frozenset()
+        have = vma_of(a)
         if have != vma and a.requires_grad and torch.is_grad_enabled():
             no_transforms("funcoll.shard_map")
             return CAST[0](a, vma - have)
@@ -229,25 +289,65 @@ def no_transforms(opname: str) -> None:
         )
 
 
-def _typed_out(out: Any, vma: frozenset[str]) -> Any:
+def _viewed(func: Any, args: tuple[Any, ...], out: Any) -> Tensor | None:
+    """The typed tensor `func`'s result views (its first argument), or None for a result with its own data.
+
+    A view function's results (:data:`_VIEWS`, torch's list of them) that are views (they
+    have a ``_base``: ``reshape`` and indexing by a tensor copy instead), ``detach``'s,
+    and a result that is the argument itself (``contiguous`` of a contiguous tensor).
+    By name and not by ``_base`` alone: an op may return a view of a tensor of its own
+    (``einsum``). Only the first argument is taken for the source: torch's view
+    functions view it.
+    """
+    if not args or type_of(args[0]) is None:
+        return None
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if first is args[0]:
+        return args[0]
+    name = getattr(func, "__name__", "")
+    if _SHARES_DATA.get(name, False):
+        return args[0]
+    if not _VIEWS.get(name, False) or not isinstance(first, Tensor):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        view = first._base is not None  # `_is_view()`, which dynamo does not trace
+    return args[0] if view else None
+
+
+# torch's view functions (docs: "Tensor Views"), by name (as _OPERATORS); `__getitem__` is a view for
+# basic indexing, `reshape`, `flatten` and `unflatten` when the strides allow: `_viewed` checks `_base`.
+_VIEWS: dict[str, bool] = dict.fromkeys(
+    ("__getitem__", "adjoint", "as_strided", "chunk", "diagonal", "expand", "expand_as", "flatten", "hsplit",
+     "movedim", "moveaxis", "narrow", "permute", "reshape", "reshape_as", "select", "split", "split_with_sizes",
+     "squeeze", "swapaxes", "swapdims", "t", "tensor_split", "transpose", "unbind", "unflatten", "unfold",
+     "unsqueeze", "view", "view_as", "view_as_real", "view_as_complex", "vsplit", "dsplit", "real", "imag",
+     "__get__"),
+    True,
+)  # fmt: skip
+# Functions whose result shares their input's data without being a view of it (by name, as _OPERATORS).
+_SHARES_DATA: dict[str, bool] = {"detach": True}
+
+
+def _typed_out(out: Any, vma: frozenset[str], of: Tensor | None = None) -> Any:
     if isinstance(out, Tensor):
-        return typed(out, vma)
+        return typed(out, vma, of)
     if isinstance(out, torch.Size) or not isinstance(out, (tuple, list)):
         return out
     if type(out) in (tuple, list):
-        return type(out)(_typed_out(o, vma) for o in out)
-    return type(out)([_typed_out(o, vma) for o in out])  # torch.return_types: max, sort, topk, ...
+        return type(out)(_typed_out(o, vma, of) for o in out)
+    return type(out)([_typed_out(o, vma, of) for o in out])  # torch.return_types: max, sort, topk, ...
 
 
-def typed(t: Tensor, vma: frozenset[str]) -> Typed:
-    """`t` (plain or typed) as a typed tensor varying over `vma`: the same data and autograd history."""
+def typed(t: Tensor, vma: frozenset[str], of: Tensor | None = None) -> Typed:
+    """`t` (plain or typed) as a typed tensor varying over `vma`: the same data and autograd history;
+    `of`: the typed tensor `t` is a view of, whose writes' types it shares (:class:`Typed`)."""
     if isinstance(t, Typed):
         t = plain(t)
     elif isinstance(t, AsyncCollectiveTensor):
         # An eager collective's pending result cannot be re-classed: its values are waited for
         # here, where the typed mode types them (compiled graphs have no pending results).
         t = _Arrived.apply(t)
-    return Typed(t, vma)
+    return Typed(t, vma, of)
 
 
 class _Arrived(Primitive):
@@ -278,5 +378,13 @@ def plain(t: Tensor) -> Tensor:
 
 
 def vma_of(t: object) -> frozenset[str]:
-    """The mesh axes `t` varies over: a typed tensor's ``vma``; none for anything else."""
-    return t.vma if isinstance(t, Typed) else frozenset()
+    """The mesh axes `t` varies over: a typed tensor's own and those of the tensors it views
+    (:class:`Typed`); none for anything else."""
+    of = t._type if isinstance(t, Typed) else type_of(t)
+    if of is None:
+        return frozenset()
+    vma = of.vma
+    while of.of is not None:  # a view: the axes of what it views too
+        of = of.of
+        vma = vma | of.vma
+    return vma

@@ -45,13 +45,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from torch import Tensor
+
 from .._base._checks import check_tensor
 from .._base._dtensor import MeshAxis, dtensor_input, is_dtensor, refuse_dtensor
 from .._base._group import resolve_group
 from .._base._quant import check_wire, exact_for_dtensor
 from .._collective._faults import public_op
 from .._collective._header import Header, register_header
-from .._collective._typed import Typed
+from .._collective._typed import type_of, vma_of
 from ._spec import OpSpec, Plan, register
 
 __all__ = ["Refusal", "entry"]
@@ -139,7 +141,7 @@ _LAX_FORM = {
 }
 
 
-def _refuse_typed(name: str, arg: str, x: Typed) -> None:
+def _refuse_typed(name: str, arg: str, x: Tensor) -> None:
     """A value of ``shard_map(check_vma=True)`` handed to a funcoll op that is not ``funcoll.lax``'s.
 
     funcoll's ops know nothing of the typed mode: they would neither type their result
@@ -152,7 +154,7 @@ def _refuse_typed(name: str, arg: str, x: Typed) -> None:
                                   "ppermute, ragged_all_to_all)")  # fmt: skip
     raise TypeError(
         f"funcoll.{name}: `{arg}` is a value of funcoll.shard_map(..., check_vma=True) (it varies over "
-        f"{sorted(x.vma)}), where collectives are funcoll.lax's: they type their results and take "
+        f"{sorted(vma_of(x))}), where collectives are funcoll.lax's: they type their results and take "
         f"their gradients by JAX's rules, which funcoll.{name} does not know. Use {instead} inside "
         f"the typed f, or shard_map(..., check_vma=False), whose values funcoll's ops take as they are"
     )
@@ -215,7 +217,7 @@ def entry(
                 if may_be_none and value is None:
                     continue
                 check_tensor(opname, arg, value)
-                if isinstance(value, Typed):
+                if type_of(value) is not None:  # typed (by its type: dynamo may hand it on as plain)
                     _refuse_typed(name, arg, value)
             x = values[first] if first is not None else None
             if first is not None and is_dtensor(x):
