@@ -380,7 +380,7 @@ def plain(t: Tensor) -> Tensor:
 def vma_of(t: object) -> frozenset[str]:
     """The mesh axes `t` varies over: a typed tensor's own and those of the tensors it views
     (:class:`Typed`); none for anything else."""
-    of = t._type if isinstance(t, Typed) else type_of(t)
+    of = type_of(t)
     if of is None:
         return frozenset()
     vma = of.vma
